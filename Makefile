@@ -1,0 +1,51 @@
+# Two commands matter: `make demo` and `make test`. Both create the environment they need.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test lint typecheck pytest servers bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,paddle,bench]'
+	touch $(STAMP)
+
+# The tests start their own redis-server, redis-sentinel and cluster processes on free ports;
+# this makes sure the binaries exist (installing Debian's packages when we are root).
+servers:
+	@missing=""; \
+	for tool in redis-server redis-cli redis-sentinel redis-benchmark docker-compose; do \
+	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "missing:$$missing"; \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools redis-sentinel docker-compose >/dev/null; \
+	  else \
+	    echo "install them: sudo apt-get install redis-server redis-tools redis-sentinel docker-compose" >&2; exit 1; \
+	  fi; \
+	fi
+
+demo: $(STAMP)
+	$(BIN)/python -m redis_layer_signals.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check redis_layer_signals tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict redis_layer_signals
+
+pytest: $(STAMP) servers
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+bench: $(STAMP) servers
+	$(BIN)/python -m redis_layer_signals bench
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

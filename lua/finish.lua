@@ -1,0 +1,64 @@
+-- finish.lua: release a slot when its request is done (or aborted), fenced by request id.
+--
+-- KEYS[1] live     hash  slot -> "request_id|lease_deadline_ms"
+-- KEYS[2] tasks    hash  slot -> task document; "<slot>:recovery" -> its recovery
+-- KEYS[3] pending  hash  slot -> packed pending records (see _lib.lua)
+-- KEYS[4] expiry   zset  slot scored by its earliest pending deadline
+-- KEYS[5] stats    hash  counters (no TTL)
+-- KEYS[6] reply    string, this call's idempotency token
+-- ARGV[1] now_ms (empty: server TIME)   ARGV[2] slot   ARGV[3] request_id
+-- ARGV[4] reply_ttl_ms                  ARGV[5] sweep limit
+--
+-- Reply: "ok|<now_ms>|<removed>,<dropped>,<fenced>" (removed and fenced are 0 or 1).
+--
+-- Guarantees: when another live request holds the slot nothing changes (fenced), so a late
+-- finish never touches the next request's task or signals. Otherwise the task (if it is this
+-- request's) is removed and the slot's pending signals of this request, or of no known
+-- request, are dropped and counted; signals that name another request stay for that request.
+-- A resend with the same token returns the first reply, so a retried finish cannot drop a
+-- signal recorded after the first run.
+
+local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+
+local cached = redis.call('GET', reply_key)
+if cached then
+  redis.call('HINCRBY', stats_key, 'replayed', 1)
+  return cached
+end
+
+local now = now_ms(ARGV[1])
+local slot, request_id = ARGV[2], ARGV[3]
+
+sweep(pending_key, expiry_key, stats_key, now, tonumber(ARGV[5]))
+
+local reply
+local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now)
+if alive and holder ~= request_id then
+  redis.call('HINCRBY', stats_key, 'fenced', 1)
+  reply = 'ok|' .. fmt(now) .. '|0,0,1'
+else
+  local removed = 0
+  if holder == request_id then
+    redis.call('HDEL', live_key, slot)
+    redis.call('HDEL', tasks_key, slot, slot .. ':recovery')
+    removed = 1
+    redis.call('HINCRBY', stats_key, 'finished', 1)
+  end
+  local kept, dropped = {}, 0
+  for _, rec in ipairs(parse_pending(redis.call('HGET', pending_key, slot))) do
+    if rec.rid == '' or rec.rid == request_id then
+      dropped = dropped + 1
+    else
+      kept[#kept + 1] = rec
+    end
+  end
+  if dropped > 0 then
+    store_pending(pending_key, expiry_key, slot, kept)
+    redis.call('HINCRBY', stats_key, 'finish_dropped', dropped)
+  end
+  reply = 'ok|' .. fmt(now) .. '|' .. removed .. ',' .. dropped .. ',0'
+end
+
+redis.call('SET', reply_key, reply, 'PX', ARGV[4])
+return reply

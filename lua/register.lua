@@ -1,0 +1,104 @@
+-- register.lua: make a cache task the holder of its slot and hand it the slot's early signals.
+--
+-- KEYS[1] live     hash  slot -> "request_id|lease_deadline_ms"
+-- KEYS[2] tasks    hash  slot -> task document (opaque here); "<slot>:recovery" -> its reply
+-- KEYS[3] pending  hash  slot -> packed pending records (see _lib.lua)
+-- KEYS[4] expiry   zset  slot scored by its earliest pending deadline
+-- KEYS[5] stats    hash  counters (no TTL)
+-- KEYS[6] reply    string, this call's idempotency token
+-- ARGV[1] now_ms (empty: server TIME)   ARGV[2] slot            ARGV[3] request_id
+-- ARGV[4] need_prefill_tokens           ARGV[5] num_layers      ARGV[6] task document
+-- ARGV[7] task_ttl_ms                   ARGV[8] reply_ttl_ms    ARGV[9] replace ("1" or "0")
+-- ARGV[10] sweep limit
+--
+-- Reply: "<status>|<now_ms>|<payload>"
+--   ok       payload = popped signals sorted by layer, "layer,tokens,request_id,recorded_at,reason;"
+--            with reason empty for a recovered signal
+--   again    the same request already holds the slot: payload is its first recovery, unchanged
+--   replaced as ok, after taking the slot from another live request (ARGV[9] = "1")
+--   occupied payload = the request id that holds the slot; nothing was written
+--
+-- Guarantees: registration and the pop happen together, so a signal recorded concurrently is
+-- either delivered by record or recovered here. Every popped signal is returned once, as
+-- recovered or dropped with a reason (expired, request_mismatch, layer_out_of_range,
+-- non_positive, over_need, checked in that order).
+
+local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+
+local cached = redis.call('GET', reply_key)
+if cached then
+  redis.call('HINCRBY', stats_key, 'replayed', 1)
+  return cached
+end
+
+local now = now_ms(ARGV[1])
+local slot, request_id = ARGV[2], ARGV[3]
+local need, num_layers = tonumber(ARGV[4]), tonumber(ARGV[5])
+local task_ttl = tonumber(ARGV[7])
+
+sweep(pending_key, expiry_key, stats_key, now, tonumber(ARGV[10]))
+
+local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now)
+local status = 'ok'
+if alive and holder == request_id then
+  redis.call('HINCRBY', stats_key, 'reregistered', 1)
+  return 'again|' .. fmt(now) .. '|' .. (redis.call('HGET', tasks_key, slot .. ':recovery') or '')
+end
+if alive then
+  if ARGV[9] ~= '1' then
+    redis.call('HINCRBY', stats_key, 'occupied', 1)
+    return 'occupied|' .. fmt(now) .. '|' .. holder
+  end
+  status = 'replaced'
+  redis.call('HINCRBY', stats_key, 'replaced', 1)
+end
+
+local records = parse_pending(redis.call('HGET', pending_key, slot))
+table.sort(records, function(a, b) return tonumber(a.layer) < tonumber(b.layer) end)
+
+local parts = {}
+local recovered = 0
+local dropped = {}
+for i, rec in ipairs(records) do
+  local tokens = tonumber(rec.tokens)
+  local reason = ''
+  if rec.deadline <= now then
+    reason = 'expired'
+  elseif rec.rid ~= '' and rec.rid ~= request_id then
+    reason = 'request_mismatch'
+  elseif tonumber(rec.layer) >= num_layers then
+    reason = 'layer_out_of_range'
+  elseif tokens <= 0 then
+    reason = 'non_positive'
+  elseif tokens > need then
+    reason = 'over_need'
+  end
+  if reason == '' then
+    recovered = recovered + 1
+  else
+    dropped[reason] = (dropped[reason] or 0) + 1
+  end
+  parts[i] = rec.layer .. ',' .. rec.tokens .. ',' .. rec.rid .. ',' .. rec.at .. ',' .. reason .. ';'
+end
+local payload = table.concat(parts)
+
+if #records > 0 then
+  redis.call('HDEL', pending_key, slot)
+  redis.call('ZREM', expiry_key, slot)
+end
+
+redis.call('HSET', live_key, slot, request_id .. '|' .. fmt(now + task_ttl))
+redis.call('HSET', tasks_key, slot, ARGV[6], slot .. ':recovery', payload)
+extend_ttl(live_key, task_ttl)
+extend_ttl(tasks_key, task_ttl)
+
+redis.call('HINCRBY', stats_key, 'registered', 1)
+count(stats_key, 'recovered', recovered)
+for reason, n in pairs(dropped) do
+  count(stats_key, 'dropped_' .. reason, n)
+end
+
+local reply = status .. '|' .. fmt(now) .. '|' .. payload
+redis.call('SET', reply_key, reply, 'PX', ARGV[8])
+return reply

@@ -1,0 +1,39 @@
+"""redis-layer-signals: a distributed buffer for early layer signals in PD-disaggregated serving.
+
+A prefill GPU reports "slot S is written up to T tokens" per layer; the cache task that says
+where to send it may arrive later, on another path, even in another process. The buffer keeps
+early signals in Redis until their task registers, atomically, so none is lost or sent twice.
+"""
+
+from .aio import AsyncSignalBuffer
+from .buffer import SignalBuffer
+from .config import BufferConfig
+from .errors import (
+    BufferUnavailable,
+    InvalidConfig,
+    InvalidSignal,
+    InvalidTask,
+    SignalBufferError,
+    SlotOccupied,
+)
+from .models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
+
+__all__ = [
+    "AsyncSignalBuffer",
+    "BufferConfig",
+    "BufferUnavailable",
+    "CacheTask",
+    "DropReason",
+    "FinishResult",
+    "InvalidConfig",
+    "InvalidSignal",
+    "InvalidTask",
+    "LayerSignal",
+    "RecordResult",
+    "RegisterResult",
+    "SignalBuffer",
+    "SignalBufferError",
+    "SlotOccupied",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,145 @@
+"""The asyncio buffer: the same protocol and scripts as :class:`SignalBuffer`, on redis.asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from functools import partial
+from typing import Any, TypeVar
+
+from redis.exceptions import NoScriptError
+
+from . import connection
+from .buffer import Observer, _text
+from .config import BufferConfig
+from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .protocol import Clock, Prepared, Protocol, ScriptCall, decode_task, parse_pending, sum_stats
+from .retry import RETRYABLE, Attempts
+from .scripts import all_scripts
+
+T = TypeVar("T")
+
+
+class AsyncSignalBuffer:
+    """:class:`SignalBuffer` with coroutine methods; see it for what each call guarantees."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str | None = None,
+        pending_ttl_s: float | None = None,
+        task_ttl_s: float | None = None,
+        max_slots: int | None = None,
+        retry_s: float | None = None,
+        clock: Clock | None = None,
+        observer: Observer | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = BufferConfig.resolve(
+            env,
+            namespace=namespace,
+            pending_ttl_s=pending_ttl_s,
+            task_ttl_s=task_ttl_s,
+            max_slots=max_slots,
+            retry_s=retry_s,
+        )
+        self.client = client
+        self.protocol = Protocol(self.config, clock)
+        self.observer = observer
+        self._scripts = all_scripts()
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **options: Any) -> AsyncSignalBuffer:
+        config, passthrough = BufferConfig.for_url(url, options)
+        return cls(connection.async_client(config.url, config.retry_s), **config.options(), **passthrough)
+
+    async def record(self, instance: str, rank: int, layer: int, entries: Iterable[Any]) -> RecordResult:
+        return await self._execute(self.protocol.record(instance, rank, layer, entries))
+
+    async def register(self, task: CacheTask, replace: bool = False) -> RegisterResult:
+        return await self._execute(self.protocol.register(task, replace))
+
+    async def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
+        return await self._execute(self.protocol.finish(instance, rank, slot, request_id))
+
+    async def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
+        keys = self.protocol.slot_keys(instance, rank, slot)
+        packed = await self._retrying("pending", lambda: self.client.hget(keys.pending, str(slot)))
+        return parse_pending(instance, rank, slot, _text(packed))
+
+    async def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
+        keys = self.protocol.slot_keys(instance, rank, slot)
+        holder = await self._retrying("task", lambda: self.client.hget(keys.live, str(slot)))
+        document = await self._retrying("task", lambda: self.client.hget(keys.tasks, str(slot)))
+        return decode_task(instance, rank, slot, holder, document, await self.now_ms())
+
+    async def now_ms(self) -> int:
+        if self.protocol.clock is not None:
+            return int(self.protocol.clock())
+        seconds, micros = await self._retrying("time", self.client.time)
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def ranks(self) -> list[tuple[str, int]]:
+        pattern = self.protocol.keys.pattern()
+        found = set()
+        async for key in self.client.scan_iter(match=pattern, count=1000):
+            owner = self.protocol.keys.owner(key)
+            if owner is not None:
+                found.add(owner)
+        return sorted(found)
+
+    async def sweep(self) -> int:
+        total = 0
+        for instance, rank in await self.ranks():
+            call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
+            while True:
+                expired = int(await self._retrying("sweep", partial(self._run_script, call)))
+                total += expired
+                if expired == 0:
+                    break
+        return total
+
+    async def stats(self, sweep: bool = True) -> dict[str, int]:
+        if sweep:
+            await self.sweep()
+        pattern = self.protocol.keys.pattern("stats")
+        keys = [key async for key in self.client.scan_iter(match=pattern, count=1000)]
+        return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def __aenter__(self) -> AsyncSignalBuffer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _run_script(self, call: ScriptCall) -> Any:
+        script = self._scripts[call.script]
+        try:
+            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        except NoScriptError:
+            await self.client.script_load(script.text)
+            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+
+    async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]]) -> T:
+        attempts = Attempts(operation, self.config.retry_s)
+        while True:
+            try:
+                return await action()
+            except RETRYABLE as exc:
+                await asyncio.sleep(attempts.next_delay(exc))
+
+    async def _execute(self, prepared: Prepared[T]) -> T:
+        call = prepared.call
+        if call is None:
+            return prepared.parse(None)
+        started = time.perf_counter()
+        reply = await self._retrying(prepared.operation, lambda: self._run_script(call))
+        result = prepared.parse(reply)
+        if self.observer is not None:
+            self.observer(prepared.operation, time.perf_counter() - started)
+        return result

@@ -1,0 +1,175 @@
+"""The synchronous buffer: validation and packing come from :mod:`.protocol`, this module only
+runs the calls on a redis-py client, with bounded retries and script reloading."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from typing import Any, TypeVar
+
+from redis.exceptions import NoScriptError
+
+from . import connection
+from .config import BufferConfig
+from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .protocol import Clock, Prepared, Protocol, ScriptCall, decode_task, parse_pending, sum_stats
+from .retry import RETRYABLE, Attempts
+from .scripts import all_scripts
+
+T = TypeVar("T")
+Observer = Callable[[str, float], None]
+"""Called with (operation, seconds) after each successful call: the metrics hook."""
+
+
+class SignalBuffer:
+    """Early layer signals in Redis, shared by every process that uses the same namespace.
+
+    ``record`` delivers a signal whose slot has a live task and buffers the others;
+    ``register`` makes a task live and pops its slot's early signals; ``finish`` releases the
+    slot, fenced by request id. Each is one Lua script run, atomic on the server.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str | None = None,
+        pending_ttl_s: float | None = None,
+        task_ttl_s: float | None = None,
+        max_slots: int | None = None,
+        retry_s: float | None = None,
+        clock: Clock | None = None,
+        observer: Observer | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = BufferConfig.resolve(
+            env,
+            namespace=namespace,
+            pending_ttl_s=pending_ttl_s,
+            task_ttl_s=task_ttl_s,
+            max_slots=max_slots,
+            retry_s=retry_s,
+        )
+        self.client = client
+        self.protocol = Protocol(self.config, clock)
+        self.observer = observer
+        self._scripts = all_scripts()
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **options: Any) -> SignalBuffer:
+        """Connect by URL (``RLS_REDIS_URL``, default ``memory://``); see :mod:`.connection`."""
+        config, passthrough = BufferConfig.for_url(url, options)
+        return cls(connection.sync_client(config.url, config.retry_s), **config.options(), **passthrough)
+
+    # -- the three operations --------------------------------------------------------------
+
+    def record(self, instance: str, rank: int, layer: int, entries: Iterable[Any]) -> RecordResult:
+        """Deliver or buffer one layer's batch of ``(slot, tokens[, request_id])`` entries."""
+        return self._execute(self.protocol.record(instance, rank, layer, entries))
+
+    def register(self, task: CacheTask, replace: bool = False) -> RegisterResult:
+        """Make ``task`` the holder of its slot and return the slot's early signals."""
+        return self._execute(self.protocol.register(task, replace))
+
+    def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
+        """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it."""
+        return self._execute(self.protocol.finish(instance, rank, slot, request_id))
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
+        """The slot's buffered signals, ordered by layer (read-only)."""
+        keys = self.protocol.slot_keys(instance, rank, slot)
+        packed = self._retrying("pending", lambda: self.client.hget(keys.pending, str(slot)))
+        return parse_pending(instance, rank, slot, _text(packed))
+
+    def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
+        """The slot's live task, or None (read-only)."""
+        keys = self.protocol.slot_keys(instance, rank, slot)
+        # Two reads, not one snapshot: decode_task checks that the document is the holder's.
+        holder = self._retrying("task", lambda: self.client.hget(keys.live, str(slot)))
+        document = self._retrying("task", lambda: self.client.hget(keys.tasks, str(slot)))
+        return decode_task(instance, rank, slot, holder, document, self.now_ms())
+
+    def now_ms(self) -> int:
+        """The time the scripts use: the injected clock, else the server's."""
+        if self.protocol.clock is not None:
+            return int(self.protocol.clock())
+        seconds, micros = self._retrying("time", self.client.time)
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def ranks(self) -> list[tuple[str, int]]:
+        """Every (instance, rank) that has keys in this namespace (SCAN, never KEYS)."""
+        found = set()
+        pattern = self.protocol.keys.pattern()
+        for key in self._retrying("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000))):
+            owner = self.protocol.keys.owner(key)
+            if owner is not None:
+                found.add(owner)
+        return sorted(found)
+
+    def sweep(self) -> int:
+        """Count and remove expired pending signals on every rank of the namespace."""
+        total = 0
+        for instance, rank in self.ranks():
+            call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
+            while True:
+                expired = int(self._retrying("sweep", partial(self._run_script, call)))
+                total += expired
+                if expired == 0:
+                    break
+        return total
+
+    def stats(self, sweep: bool = True) -> dict[str, int]:
+        """The namespace's counters, summed over its ranks; sweeps expiries first by default."""
+        if sweep:
+            self.sweep()
+        pattern = self.protocol.keys.pattern("stats")
+        keys = self._retrying("stats", lambda: list(self.client.scan_iter(match=pattern, count=1000)))
+        return sum_stats([self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> SignalBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -------------------------------------------------------------------------
+
+    def _run_script(self, call: ScriptCall) -> Any:
+        """One EVALSHA; on NOSCRIPT (restart, failover, SCRIPT FLUSH) load the text and resend."""
+        script = self._scripts[call.script]
+        try:
+            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        except NoScriptError:
+            self.client.script_load(script.text)
+            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+
+    def _retrying(self, operation: str, action: Callable[[], T]) -> T:
+        attempts = Attempts(operation, self.config.retry_s)
+        while True:
+            try:
+                return action()
+            except RETRYABLE as exc:
+                time.sleep(attempts.next_delay(exc))
+
+    def _execute(self, prepared: Prepared[T]) -> T:
+        call = prepared.call
+        if call is None:
+            return prepared.parse(None)
+        started = time.perf_counter()
+        reply = self._retrying(prepared.operation, lambda: self._run_script(call))
+        result = prepared.parse(reply)
+        if self.observer is not None:
+            self.observer(prepared.operation, time.perf_counter() - started)
+        return result
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,90 @@
+"""Buffer options: explicit arguments first, then ``RLS_*`` environment variables, then defaults."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import validation
+from .constants import (
+    DEFAULT_MAX_SLOTS,
+    DEFAULT_NAMESPACE,
+    DEFAULT_PENDING_TTL_S,
+    DEFAULT_RETRY_S,
+    DEFAULT_TASK_TTL_S,
+    DEFAULT_URL,
+    ENV_PREFIX,
+)
+from .errors import InvalidConfig
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    namespace: str = DEFAULT_NAMESPACE
+    url: str = DEFAULT_URL
+    pending_ttl_s: float = DEFAULT_PENDING_TTL_S
+    task_ttl_s: float = DEFAULT_TASK_TTL_S
+    max_slots: int = DEFAULT_MAX_SLOTS
+    retry_s: float = DEFAULT_RETRY_S
+
+    def __post_init__(self) -> None:
+        validation.identifier(self.namespace, "namespace", InvalidConfig)
+        if not isinstance(self.url, str) or "://" not in self.url:
+            raise InvalidConfig("url", self.url, "must be a URL such as memory:// or redis://host:6379/0")
+        validation.positive_seconds(self.pending_ttl_s, "pending_ttl_s")
+        validation.positive_seconds(self.task_ttl_s, "task_ttl_s")
+        validation.positive_seconds(self.retry_s, "retry_s")
+        validation.integer(self.max_slots, "max_slots", InvalidConfig, 1, 65536)
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> BufferConfig:
+        """Build a config; ``None`` arguments fall back to ``RLS_<NAME>`` and then the default."""
+        source = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, parse in _ENV_FIELDS.items():
+            given = explicit.pop(name, None)
+            if given is not None:
+                values[name] = given
+                continue
+            variable = ENV_PREFIX + ("REDIS_URL" if name == "url" else name.upper())
+            raw = source.get(variable)
+            if raw is not None and raw != "":
+                try:
+                    values[name] = parse(raw)
+                except ValueError as exc:
+                    raise InvalidConfig(variable, raw, f"cannot parse: {exc}") from exc
+        if explicit:
+            name = next(iter(explicit))
+            raise InvalidConfig(name, explicit[name], "unknown option")
+        return cls(**values)
+
+    @classmethod
+    def for_url(cls, url: str | None, options: dict[str, Any]) -> tuple[BufferConfig, dict[str, Any]]:
+        """Split ``from_url`` options into the resolved config and the hooks passed through."""
+        options = dict(options)
+        env = options.pop("env", None)
+        hooks: dict[str, Any] = {name: options.pop(name) for name in ("clock", "observer") if name in options}
+        return cls.resolve(env, url=url, **options), hooks
+
+    def options(self) -> dict[str, Any]:
+        """Constructor arguments that reproduce this config without reading the environment."""
+        return {
+            "namespace": self.namespace,
+            "pending_ttl_s": self.pending_ttl_s,
+            "task_ttl_s": self.task_ttl_s,
+            "max_slots": self.max_slots,
+            "retry_s": self.retry_s,
+            "env": {},
+        }
+
+
+_ENV_FIELDS: dict[str, Any] = {
+    "namespace": str,
+    "url": str,
+    "pending_ttl_s": float,
+    "task_ttl_s": float,
+    "max_slots": int,
+    "retry_s": float,
+}

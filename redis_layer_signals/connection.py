@@ -1,0 +1,173 @@
+"""Clients from URLs. The scheme picks the topology:
+
+``memory://[NAME]`` an in-process fakeredis server with Lua (one per NAME, shared by every
+buffer of the process); ``redis://``, ``rediss://`` (TLS) and ``unix://`` one server;
+``redis+sentinel://[user:pass@]host:port[,host:port]/service[?db=N]`` the primary Sentinel names;
+``redis+cluster://[user:pass@]host:port[,host:port]`` a Redis Cluster.
+
+Clients made here answer in bytes, time out after ``retry_s`` and do not retry internally:
+the buffer's own retry loop owns the time bound and the idempotency tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+from .errors import InvalidConfig
+
+MEMORY = "memory"
+SINGLE_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL = "redis+sentinel"
+CLUSTER = "redis+cluster"
+
+_memory_servers: dict[str, Any] = {}
+_memory_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class MultiHostUrl:
+    """A sentinel or cluster URL: several seed hosts, optional credentials and a path."""
+
+    scheme: str
+    hosts: list[tuple[str, int]]
+    username: str | None = None
+    password: str | None = None
+    path: str = ""
+    query: dict[str, list[str]] = field(default_factory=dict)
+
+
+def scheme_of(url: str) -> str:
+    if "://" not in url:
+        raise InvalidConfig("url", url, "must look like scheme://...")
+    return url.split("://", 1)[0].lower()
+
+
+def parse_multi_host(url: str) -> MultiHostUrl:
+    scheme, rest = url.split("://", 1)
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        user, has_password, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if has_password else None
+    hosts = []
+    for item in filter(None, netloc.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidConfig("url", url, f"host {item!r} must be host:port")
+        hosts.append((host.strip("[]"), int(port)))
+    if not hosts:
+        raise InvalidConfig("url", url, "needs at least one host:port")
+    return MultiHostUrl(scheme.lower(), hosts, username, password, path.strip("/"), parse_qs(query))
+
+
+def memory_server(name: str) -> Any:
+    import fakeredis
+
+    with _memory_lock:
+        server = _memory_servers.get(name)
+        if server is None:
+            server = fakeredis.FakeServer()
+            _memory_servers[name] = server
+        return server
+
+
+def _timeouts(retry_s: float) -> dict[str, Any]:
+    return {"socket_timeout": retry_s, "socket_connect_timeout": min(retry_s, 2.0)}
+
+
+def sync_client(url: str, retry_s: float) -> Any:
+    """A redis-py (or fakeredis) client for ``url``."""
+    scheme = scheme_of(url)
+    if scheme == MEMORY:
+        import fakeredis
+
+        return fakeredis.FakeRedis(server=memory_server(url.split("://", 1)[1]))
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    no_retry = Retry(NoBackoff(), 0)
+    if scheme in SINGLE_SCHEMES:
+        import redis
+
+        return redis.Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
+    if scheme == CLUSTER:
+        from redis.cluster import ClusterNode as _Node
+        from redis.cluster import RedisCluster
+
+        node: Any = _Node
+
+        parsed = parse_multi_host(url)
+        return RedisCluster(
+            startup_nodes=[node(host, port) for host, port in parsed.hosts],
+            username=parsed.username,
+            password=parsed.password,
+            **_timeouts(retry_s),
+        )
+    if scheme == SENTINEL:
+        from redis.sentinel import Sentinel as _Sentinel
+
+        sentinel_cls: Any = _Sentinel
+
+        parsed = parse_multi_host(url)
+        service, db = _sentinel_target(url, parsed)
+        credentials: dict[str, Any] = {"username": parsed.username, "password": parsed.password}
+        sentinel = sentinel_cls(parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s))
+        return sentinel.master_for(service, db=db, retry=no_retry, **credentials)
+    raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
+
+
+def async_client(url: str, retry_s: float) -> Any:
+    """A redis.asyncio (or fakeredis async) client for ``url``."""
+    scheme = scheme_of(url)
+    if scheme == MEMORY:
+        import fakeredis
+
+        return fakeredis.FakeAsyncRedis(server=memory_server(url.split("://", 1)[1]))
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    no_retry = Retry(NoBackoff(), 0)
+    if scheme in SINGLE_SCHEMES:
+        import redis.asyncio
+
+        return redis.asyncio.Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
+    if scheme == CLUSTER:
+        from redis.asyncio.cluster import ClusterNode as _AsyncNode
+        from redis.asyncio.cluster import RedisCluster as _AsyncCluster
+
+        node: Any = _AsyncNode
+
+        parsed = parse_multi_host(url)
+        return _AsyncCluster(
+            startup_nodes=[node(host, port) for host, port in parsed.hosts],
+            username=parsed.username,
+            password=parsed.password,
+            **_timeouts(retry_s),
+        )
+    if scheme == SENTINEL:
+        from redis.asyncio.sentinel import Sentinel as _AsyncSentinel
+
+        sentinel_cls: Any = _AsyncSentinel
+
+        parsed = parse_multi_host(url)
+        service, db = _sentinel_target(url, parsed)
+        credentials: dict[str, Any] = {"username": parsed.username, "password": parsed.password}
+        sentinel = sentinel_cls(parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s))
+        return sentinel.master_for(service, db=db, retry=no_retry, **credentials)
+    raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
+
+
+def _sentinel_target(url: str, parsed: MultiHostUrl) -> tuple[str, int]:
+    service = parsed.path.split("/")[0]
+    if not service:
+        raise InvalidConfig("url", url, "a sentinel URL names its service: redis+sentinel://h:p/service")
+    db_text = parsed.query.get("db", ["0"])[0]
+    if not db_text.isdigit():
+        raise InvalidConfig("url", url, f"db must be a number, not {db_text!r}")
+    return service, int(db_text)

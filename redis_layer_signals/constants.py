@@ -1,0 +1,38 @@
+"""Names and defaults shared by the library, the scripts' callers and the CLI."""
+
+from __future__ import annotations
+
+KEY_PREFIX = "rls"
+"""Every key starts with ``rls:``; the next part is the hash tag ``{namespace/instance/rank}``."""
+
+ENV_PREFIX = "RLS_"
+"""Environment variables that configure a buffer: RLS_NAMESPACE, RLS_REDIS_URL, ..."""
+
+DEFAULT_URL = "memory://"
+DEFAULT_NAMESPACE = "default"
+DEFAULT_PENDING_TTL_S = 60.0
+"""How long an early signal waits for its task before it is expired and counted."""
+DEFAULT_TASK_TTL_S = 900.0
+"""Lease of a registered task: FastDeploy's scheduler TTL for a request."""
+DEFAULT_MAX_SLOTS = 512
+"""Engine slots per rank (FastDeploy's max batch size bound)."""
+DEFAULT_RETRY_S = 3.0
+"""How long one call keeps resending before it raises BufferUnavailable."""
+
+MAX_BATCH = 512
+"""Entries accepted by one ``record`` call: one script run, bounded work."""
+MAX_RANK = 65535
+MAX_INT = 2**53
+"""Layers, tokens and need_prefill_tokens are ints below this (exact in Lua's doubles)."""
+IDENTIFIER_PATTERN = r"[A-Za-z0-9._-]{1,128}"
+"""Namespaces, instances and request ids: no hash-tag braces, no separators, no globs."""
+
+PENDING_KEY_GRACE_S = 30.0
+"""Extra life of the pending hash beyond the pending TTL, so sweeps count expiries before
+the key TTL (the backstop for a dead node) removes them silently."""
+TASK_KEY_GRACE_S = 30.0
+"""Extra life of the live/tasks hashes beyond the task lease."""
+REPLY_GRACE_S = 5.0
+"""A reply is remembered for retry_s plus this, longer than any resend of the same call."""
+SWEEP_LIMIT = 64
+"""Slots one script run may sweep for expired signals: bounds the time a script blocks."""

@@ -1,0 +1,67 @@
+"""Typed errors of the library.
+
+Validation errors are also ``ValueError`` so callers that already guard bad input keep working;
+they are raised before anything reaches Redis, so a rejected call has written nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SignalBufferError(Exception):
+    """Base of every error this library raises on purpose."""
+
+
+class _InvalidValue(SignalBufferError, ValueError):
+    """A field failed validation; carries the field name and the offending value."""
+
+    kind = "value"
+
+    def __init__(self, field: str, value: Any, why: str) -> None:
+        self.field = field
+        self.value = value
+        self.why = why
+        super().__init__(f"invalid {self.kind} field {field}={value!r}: {why}")
+
+
+class InvalidSignal(_InvalidValue):
+    """A layer signal (or a record batch) is malformed."""
+
+    kind = "signal"
+
+
+class InvalidTask(_InvalidValue):
+    """A cache task, or a slot/request argument of register or finish, is malformed."""
+
+    kind = "task"
+
+
+class InvalidConfig(_InvalidValue):
+    """A buffer option (namespace, TTL, URL, ...) is malformed."""
+
+    kind = "config"
+
+
+class SlotOccupied(SignalBufferError):
+    """Another live request holds the slot; register with ``replace=True`` to take it."""
+
+    def __init__(self, instance: str, rank: int, slot: int, holder: str, request_id: str) -> None:
+        self.instance = instance
+        self.rank = rank
+        self.slot = slot
+        self.holder = holder
+        self.request_id = request_id
+        super().__init__(
+            f"slot {slot} of {instance}/{rank} is held by request {holder!r}; "
+            f"refusing to register {request_id!r} (pass replace=True to take it over)"
+        )
+
+
+class BufferUnavailable(SignalBufferError):
+    """Redis did not answer within the bounded retry time; ``__cause__`` is the last error."""
+
+    def __init__(self, operation: str, retry_s: float, cause: BaseException) -> None:
+        self.operation = operation
+        self.retry_s = retry_s
+        super().__init__(f"{operation}: Redis unavailable after retrying for {retry_s:g}s: {cause}")

@@ -1,0 +1,67 @@
+"""Key layout. Every key of one instance and rank shares the hash tag ``{ns/instance/rank}``, so
+each script touches a single Cluster slot; key names are built here, never inside Lua."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .constants import KEY_PREFIX
+
+
+@dataclass(frozen=True)
+class RankKeys:
+    """The keys of one (namespace, instance, rank)."""
+
+    tag: str
+    live: str  # hash: slot -> "request_id|lease_deadline_ms"
+    tasks: str  # hash: slot -> task document, "<slot>:recovery" -> first recovery
+    pending: str  # hash: slot -> packed early signals, one per layer
+    expiry: str  # zset: slot scored by its earliest pending deadline
+    stats: str  # hash: counters; the only key without a TTL
+
+    def reply(self, token: str) -> str:
+        """Idempotency key of one call: holds its reply while a resend could still come."""
+        return f"{KEY_PREFIX}:{self.tag}:reply:{token}"
+
+    @property
+    def per_request(self) -> tuple[str, str, str, str]:
+        """Keys that hold per-request state and must carry a TTL."""
+        return (self.live, self.tasks, self.pending, self.expiry)
+
+
+class KeySpace:
+    """Builds (and caches) the key names of one namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._ranks: dict[tuple[str, int], RankKeys] = {}
+        self._tag_re = re.compile(rf"^{re.escape(KEY_PREFIX)}:\{{{re.escape(namespace)}/([^/{{}}]+)/(\d+)\}}:")
+
+    def rank(self, instance: str, rank: int) -> RankKeys:
+        cached = self._ranks.get((instance, rank))
+        if cached is None:
+            tag = f"{{{self.namespace}/{instance}/{rank}}}"
+            base = f"{KEY_PREFIX}:{tag}:"
+            cached = RankKeys(
+                tag=tag,
+                live=base + "live",
+                tasks=base + "tasks",
+                pending=base + "pending",
+                expiry=base + "expiry",
+                stats=base + "stats",
+            )
+            self._ranks[(instance, rank)] = cached
+        return cached
+
+    def pattern(self, kind: str = "*") -> str:
+        """SCAN pattern for this namespace's keys (identifiers hold no glob characters)."""
+        return f"{KEY_PREFIX}:{{{self.namespace}/*}}:{kind}"
+
+    def owner(self, key: str | bytes) -> tuple[str, int] | None:
+        """(instance, rank) of one of this namespace's keys, else None."""
+        text = key.decode() if isinstance(key, bytes) else key
+        match = self._tag_re.match(text)
+        if match is None:
+            return None
+        return match.group(1), int(match.group(2))

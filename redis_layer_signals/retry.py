@@ -1,0 +1,44 @@
+"""Bounded resending. A call whose reply was lost is sent again with the same idempotency
+token (the scripts replay their first reply), until ``retry_s`` runs out."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from redis import exceptions as rx
+
+from .errors import BufferUnavailable
+
+RETRYABLE: tuple[type[BaseException], ...] = (
+    rx.ConnectionError,  # includes BusyLoadingError (a restarted server loading its AOF)
+    rx.TimeoutError,
+    rx.TryAgainError,  # Cluster: keys of a slot in migration
+    rx.ClusterDownError,
+    rx.MasterDownError,
+    rx.ReadOnlyError,  # Sentinel: the old primary became a replica
+    rx.SlotNotCoveredError,
+    OSError,
+)
+"""Errors after which the same call may succeed when sent again."""
+
+FIRST_BACKOFF_S = 0.01
+MAX_BACKOFF_S = 0.25
+
+
+class Attempts:
+    """Tracks one call's retry budget; ``next_delay`` says how long to wait or gives up."""
+
+    def __init__(self, operation: str, retry_s: float) -> None:
+        self.operation = operation
+        self.retry_s = retry_s
+        self.deadline = time.monotonic() + retry_s
+        self.count = 0
+
+    def next_delay(self, cause: BaseException) -> float:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise BufferUnavailable(self.operation, self.retry_s, cause) from cause
+        backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**self.count)
+        self.count += 1
+        return float(min(remaining, backoff * random.uniform(0.5, 1.0)))

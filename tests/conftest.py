@@ -1,0 +1,61 @@
+"""Shared fixtures. The behaviour suite runs once on fakeredis and once on a real redis-server
+that this session starts itself; every test gets its own namespace, so nothing is flushed."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from redis_layer_signals import AsyncSignalBuffer, SignalBuffer
+from tests.servers import RedisServer
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{next(_counter)}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=["fake", "real"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def url(backend: str, request: pytest.FixtureRequest) -> str:
+    if backend == "fake":
+        return f"memory://{uuid.uuid4().hex}"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return server.url
+
+
+@pytest.fixture
+def buf(url: str, namespace: str) -> Iterator[SignalBuffer]:
+    buffer = SignalBuffer.from_url(url, namespace=namespace, env={})
+    yield buffer
+    buffer.close()
+
+
+@pytest.fixture
+async def abuf(url: str, namespace: str) -> AsyncSignalBuffer:
+    buffer = AsyncSignalBuffer.from_url(url, namespace=namespace, env={})
+    yield buffer  # type: ignore[misc]
+    await buffer.close()
+
+
+@pytest.fixture
+def raw(buf: SignalBuffer) -> redis.Redis:
+    """The buffer's own client, for looking at keys the way an operator would."""
+    return buf.client  # type: ignore[no-any-return]
