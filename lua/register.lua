@@ -16,7 +16,7 @@
 --            with reason empty for a recovered signal
 --   again    the same request already holds the slot: payload is its first recovery, unchanged
 --   replaced as ok, after taking the slot from another live request (ARGV[9] = "1")
---   occupied payload = the request id that holds the slot; nothing was written
+--   occupied payload = the request id that holds the slot; only the refusal is counted
 --
 -- Guarantees: registration and the pop happen together, so a signal recorded concurrently is
 -- either delivered by record or recovered here. Every popped signal is returned once, as
@@ -41,14 +41,20 @@ sweep(pending_key, expiry_key, stats_key, now, tonumber(ARGV[10]))
 
 local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now)
 local status = 'ok'
+-- Every reply, refusals included, is kept under the token: a resend must not count twice.
+local function reply_with(reply)
+  redis.call('SET', reply_key, reply, 'PX', ARGV[8])
+  return reply
+end
+
 if alive and holder == request_id then
   redis.call('HINCRBY', stats_key, 'reregistered', 1)
-  return 'again|' .. fmt(now) .. '|' .. (redis.call('HGET', tasks_key, slot .. ':recovery') or '')
+  return reply_with('again|' .. fmt(now) .. '|' .. (redis.call('HGET', tasks_key, slot .. ':recovery') or ''))
 end
 if alive then
   if ARGV[9] ~= '1' then
     redis.call('HINCRBY', stats_key, 'occupied', 1)
-    return 'occupied|' .. fmt(now) .. '|' .. holder
+    return reply_with('occupied|' .. fmt(now) .. '|' .. holder)
   end
   status = 'replaced'
   redis.call('HINCRBY', stats_key, 'replaced', 1)
@@ -99,6 +105,4 @@ for reason, n in pairs(dropped) do
   count(stats_key, 'dropped_' .. reason, n)
 end
 
-local reply = status .. '|' .. fmt(now) .. '|' .. payload
-redis.call('SET', reply_key, reply, 'PX', ARGV[8])
-return reply
+return reply_with(status .. '|' .. fmt(now) .. '|' .. payload)

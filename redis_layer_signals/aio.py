@@ -28,6 +28,7 @@ class AsyncSignalBuffer:
         self,
         client: Any,
         *,
+        url: str | None = None,
         namespace: str | None = None,
         pending_ttl_s: float | None = None,
         task_ttl_s: float | None = None,
@@ -39,6 +40,7 @@ class AsyncSignalBuffer:
     ) -> None:
         self.config = BufferConfig.resolve(
             env,
+            url=url,
             namespace=namespace,
             pending_ttl_s=pending_ttl_s,
             task_ttl_s=task_ttl_s,

@@ -34,6 +34,7 @@ class SignalBuffer:
         self,
         client: Any,
         *,
+        url: str | None = None,
         namespace: str | None = None,
         pending_ttl_s: float | None = None,
         task_ttl_s: float | None = None,
@@ -45,6 +46,7 @@ class SignalBuffer:
     ) -> None:
         self.config = BufferConfig.resolve(
             env,
+            url=url,
             namespace=namespace,
             pending_ttl_s=pending_ttl_s,
             task_ttl_s=task_ttl_s,

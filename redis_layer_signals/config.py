@@ -71,6 +71,7 @@ class BufferConfig:
     def options(self) -> dict[str, Any]:
         """Constructor arguments that reproduce this config without reading the environment."""
         return {
+            "url": self.url,
             "namespace": self.namespace,
             "pending_ttl_s": self.pending_ttl_s,
             "task_ttl_s": self.task_ttl_s,
