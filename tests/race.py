@@ -1,0 +1,63 @@
+"""Worker for the race test: one process recording, registering and finishing on shared slots
+in random order, logging every signal it recorded and every outcome it was told about."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from redis_layer_signals import CacheTask, SignalBuffer, SlotOccupied
+
+SLOTS = 4
+LAYERS = 3
+Sig = tuple[int, int, int]  # slot, layer, tokens (tokens unique per signal across workers)
+
+
+@dataclass
+class Log:
+    recorded: list[Sig] = field(default_factory=list)
+    delivered: list[Sig] = field(default_factory=list)
+    buffered: list[Sig] = field(default_factory=list)
+    recovered: list[Sig] = field(default_factory=list)
+    dropped: list[Sig] = field(default_factory=list)
+    finish_dropped: int = 0
+    registered: int = 0
+    occupied: int = 0
+
+
+def work(url: str, namespace: str, worker: int, operations: int, seed: int) -> Log:
+    rng = random.Random(seed * 1000 + worker)
+    buf = SignalBuffer.from_url(url, namespace=namespace, env={})
+    log = Log()
+    mine: dict[int, str] = {}  # slot -> request id this worker registered there
+    serial = 0
+    for op in range(operations):
+        choice = rng.random()
+        if choice < 0.55:
+            layer = rng.randrange(LAYERS)
+            entries = []
+            for slot in rng.sample(range(SLOTS), rng.randint(1, SLOTS)):
+                serial += 1
+                entries.append((slot, worker * 1_000_000 + serial))
+            res = buf.record("p0", 0, layer, entries)
+            log.recorded += [(s, layer, t) for s, t in entries]
+            log.delivered += [(s.slot, s.layer, s.tokens) for s in res.delivered]
+            log.buffered += [(s.slot, s.layer, s.tokens) for s in res.buffered]
+        elif choice < 0.8:
+            slot = rng.randrange(SLOTS)
+            request_id = f"w{worker}-{op}"
+            try:
+                rec = buf.register(CacheTask("p0", 0, slot, request_id, need_prefill_tokens=2**40, num_layers=LAYERS))
+            except SlotOccupied:
+                log.occupied += 1
+                continue
+            mine[slot] = request_id
+            log.registered += 1
+            log.recovered += [(s.slot, s.layer, s.tokens) for s in rec.recovered]
+            log.dropped += [(s.slot, s.layer, s.tokens) for s, _ in rec.dropped]
+        else:
+            slot = rng.randrange(SLOTS)
+            request_id = mine.pop(slot, f"w{worker}-gone-{op}")
+            log.finish_dropped += buf.finish("p0", 0, slot, request_id).dropped
+    buf.close()
+    return log

@@ -1,0 +1,148 @@
+"""Bad input raises a ValueError subclass that names the field and value, and writes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from redis_layer_signals import (
+    CacheTask,
+    InvalidConfig,
+    InvalidSignal,
+    InvalidTask,
+    SignalBuffer,
+)
+from redis_layer_signals.config import BufferConfig
+
+HOSTILE = ["", "a{b", "a}b", "{ns}", "a/b", "a*", "a:b", "a b", "a\nb", "a,b", "a;b", "a|b", "é", "x" * 129]
+
+
+def good_task(**changes: Any) -> CacheTask:
+    fields: dict[str, Any] = dict(
+        instance="p0", rank=0, slot=5, request_id="req-1", need_prefill_tokens=4096, num_layers=61
+    )
+    fields.update(changes)
+    return CacheTask(**fields)
+
+
+BAD_CALLS: list[tuple[str, Callable[[SignalBuffer], object], type[Exception], str]] = [
+    ("instance", lambda b: b.record("p{0}", 0, 0, [(1, 1)]), InvalidSignal, "instance"),
+    ("rank negative", lambda b: b.record("p0", -1, 0, [(1, 1)]), InvalidSignal, "rank"),
+    ("rank too big", lambda b: b.record("p0", 65536, 0, [(1, 1)]), InvalidSignal, "rank"),
+    ("rank bool", lambda b: b.record("p0", True, 0, [(1, 1)]), InvalidSignal, "rank"),
+    ("layer str", lambda b: b.record("p0", 0, "0", [(1, 1)]), InvalidSignal, "layer"),
+    ("layer 2**53", lambda b: b.record("p0", 0, 2**53, [(1, 1)]), InvalidSignal, "layer"),
+    ("entries not list", lambda b: b.record("p0", 0, 0, "5,10"), InvalidSignal, "entries"),
+    ("entry shape", lambda b: b.record("p0", 0, 0, [(1,)]), InvalidSignal, "entries[0]"),
+    ("slot out of range", lambda b: b.record("p0", 0, 0, [(1, 1), (512, 1)]), InvalidSignal, "entries[1].slot"),
+    ("slot float", lambda b: b.record("p0", 0, 0, [(1.0, 1)]), InvalidSignal, "entries[0].slot"),
+    ("tokens negative", lambda b: b.record("p0", 0, 0, [(1, -1)]), InvalidSignal, "entries[0].tokens"),
+    ("tokens 2**53", lambda b: b.record("p0", 0, 0, [(1, 2**53)]), InvalidSignal, "entries[0].tokens"),
+    ("entry request id", lambda b: b.record("p0", 0, 0, [(1, 1, "r}")]), InvalidSignal, "entries[0].request_id"),
+    ("batch over 512", lambda b: b.record("p0", 0, 0, [(1, 1)] * 513), InvalidSignal, "entries"),
+    ("task type", lambda b: b.register({"slot": 5}), InvalidTask, "task"),  # type: ignore[arg-type]
+    ("task slot", lambda b: b.register(good_task(slot=512)), InvalidTask, "slot"),
+    ("task request id", lambda b: b.register(good_task(request_id="a b")), InvalidTask, "request_id"),
+    ("need negative", lambda b: b.register(good_task(need_prefill_tokens=-1)), InvalidTask, "need_prefill_tokens"),
+    ("num_layers zero", lambda b: b.register(good_task(num_layers=0)), InvalidTask, "num_layers"),
+    ("decode cached", lambda b: b.register(good_task(decode_cached_tokens=-5)), InvalidTask, "decode_cached_tokens"),
+    ("meta value", lambda b: b.register(good_task(meta={"k": 1})), InvalidTask, "meta['k']"),
+    ("task instance", lambda b: b.register(good_task(instance="a/b")), InvalidTask, "instance"),
+    ("replace not bool", lambda b: b.register(good_task(), replace="yes"), InvalidTask, "replace"),  # type: ignore[arg-type]
+    ("finish slot", lambda b: b.finish("p0", 0, -1, "req-1"), InvalidTask, "slot"),
+    ("finish request", lambda b: b.finish("p0", 0, 1, "*"), InvalidTask, "request_id"),
+    ("pending slot", lambda b: b.pending("p0", 0, 9999), InvalidTask, "slot"),
+    ("task read instance", lambda b: b.task("p{x}", 0, 1), InvalidTask, "instance"),
+]
+
+
+def dbsize(buf: SignalBuffer) -> int:
+    return int(buf.client.dbsize())
+
+
+@pytest.mark.parametrize(("case", "call", "error", "field"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_naming_field_and_writes_nothing(
+    buf: SignalBuffer, case: str, call: Callable[[SignalBuffer], object], error: type[Exception], field: str
+) -> None:
+    buf.record("p0", 0, 0, [(3, 10)])  # some state, so DBSIZE is not trivially zero
+    before = dbsize(buf)
+    sent = []
+    original = buf._run_script
+    buf._run_script = lambda c: sent.append(c) or original(c)  # type: ignore[method-assign]
+    with pytest.raises(error) as err:
+        call(buf)
+    assert isinstance(err.value, ValueError)
+    assert err.value.field == field  # type: ignore[attr-defined]
+    assert field in str(err.value)
+    assert sent == [] and dbsize(buf) == before
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_identifiers_cannot_reach_a_key(buf: SignalBuffer, name: str) -> None:
+    before = dbsize(buf)
+    for call in (
+        lambda: buf.record(name, 0, 0, [(1, 1)]),
+        lambda: buf.record("p0", 0, 0, [(1, 1, name)]),
+        lambda: buf.register(good_task(request_id=name)),
+        lambda: buf.finish(name, 0, 1, "r"),
+    ):
+        with pytest.raises(ValueError, match=r"must match"):
+            call()
+    assert dbsize(buf) == before
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_namespace_is_refused(name: str) -> None:
+    with pytest.raises(InvalidConfig) as err:
+        SignalBuffer.from_url("memory://", namespace=name, env={})
+    assert err.value.field == "namespace"
+
+
+def test_max_slots_bounds_slot_numbers(url: str, namespace: str) -> None:
+    small = SignalBuffer.from_url(url, namespace=namespace, max_slots=8, env={})
+    assert small.record("p0", 0, 0, [(7, 1)]).buffered
+    with pytest.raises(InvalidSignal, match=r"entries\[0\]\.slot=8"):
+        small.record("p0", 0, 0, [(8, 1)])
+    small.close()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("pending_ttl_s", 0),
+        ("task_ttl_s", -1),
+        ("retry_s", "3"),
+        ("max_slots", 0),
+        ("max_slots", 70000),
+        ("url", "localhost"),
+    ],
+)
+def test_bad_options_raise_invalid_config(option: str, value: object) -> None:
+    with pytest.raises(InvalidConfig) as err:
+        BufferConfig.resolve({}, **{option: value})
+    assert err.value.field == option
+
+
+def test_options_fall_back_to_environment_then_defaults() -> None:
+    env = {"RLS_NAMESPACE": "prod", "RLS_PENDING_TTL_S": "2.5", "RLS_MAX_SLOTS": "64", "RLS_REDIS_URL": "memory://x"}
+    config = BufferConfig.resolve(env, namespace=None, task_ttl_s=None)
+    assert (config.namespace, config.pending_ttl_s, config.max_slots, config.url) == ("prod", 2.5, 64, "memory://x")
+    assert config.task_ttl_s == 900 and config.retry_s == 3
+    assert BufferConfig.resolve(env, namespace="explicit").namespace == "explicit"
+
+
+def test_unparsable_environment_names_the_variable() -> None:
+    with pytest.raises(InvalidConfig) as err:
+        BufferConfig.resolve({"RLS_TASK_TTL_S": "soon"})
+    assert err.value.field == "RLS_TASK_TTL_S" and err.value.value == "soon"
+
+
+def test_from_url_reads_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLS_REDIS_URL", "memory://env-test")
+    monkeypatch.setenv("RLS_NAMESPACE", "from-env")
+    buf = SignalBuffer.from_url()
+    assert buf.config.namespace == "from-env" and buf.config.url == "memory://env-test"
+    buf.record("p0", 0, 0, [(1, 1)])
+    assert any(b"{from-env/p0/0}" in key for key in buf.client.keys("*"))
