@@ -1,0 +1,94 @@
+"""Decoding FastDeploy's ``kv_signal_data`` buffer into a :class:`KvSignal`.
+
+The GPU side reports, once per layer per forward step, which engine slots have that layer
+written and up to how many tokens. FastDeploy reads that message into an ``int32`` tensor of
+``512 * 3 + 2`` values: ``[tasks_count, layer_id, (engine_idx, chunk_token_offset,
+current_seq_len) * tasks_count]``, with ``tasks_count == -1`` meaning "no message". Decoding is
+strict because a garbled message would otherwise send the wrong blocks to a decode node.
+
+paddle is never imported here: a paddle tensor is recognised only if paddle is already loaded,
+so this module works with numpy alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidSignal
+
+KV_SIGNAL_MAX_TASKS = 512
+"""Entries one message can carry: FastDeploy's bound on engine slots per step."""
+KV_SIGNAL_HEADER = 2
+"""``tasks_count`` and ``layer_id`` precede the entries."""
+KV_SIGNAL_ENTRY_WIDTH = 3
+"""Each entry is ``(engine_idx, chunk_token_offset, current_seq_len)``."""
+KV_SIGNAL_LENGTH = KV_SIGNAL_MAX_TASKS * KV_SIGNAL_ENTRY_WIDTH + KV_SIGNAL_HEADER
+"""Length of the buffer FastDeploy allocates (1538)."""
+NO_SIGNAL = -1
+"""``tasks_count`` of an empty read: the queue had no message."""
+
+
+@dataclass(frozen=True)
+class KvSignal:
+    """One decoded message: layer ``layer`` is written for each ``(slot, prefilled_tokens)``."""
+
+    layer: int
+    entries: tuple[tuple[int, int], ...]
+
+
+def decode_kv_signal(kv_signal_data: Any) -> KvSignal | None:
+    """Turn a ``kv_signal_data`` tensor or array into a :class:`KvSignal`; None if it is empty.
+
+    ``prefilled_tokens`` is ``chunk_token_offset + current_seq_len``, computed in Python ints so
+    it cannot wrap. Anything malformed raises :class:`InvalidSignal` naming the field.
+    """
+    values = _as_int32_vector(kv_signal_data)
+    if values.shape[0] < KV_SIGNAL_HEADER:
+        raise InvalidSignal("length", int(values.shape[0]), f"must hold at least {KV_SIGNAL_HEADER} values")
+    count = int(values[0])
+    if count == NO_SIGNAL:
+        return None
+    if count < 0 or count > KV_SIGNAL_MAX_TASKS:
+        raise InvalidSignal("tasks_count", count, f"must be -1 or in [0, {KV_SIGNAL_MAX_TASKS}]")
+    needed = KV_SIGNAL_HEADER + KV_SIGNAL_ENTRY_WIDTH * count
+    if values.shape[0] < needed:
+        raise InvalidSignal("length", int(values.shape[0]), f"tasks_count={count} needs at least {needed} values")
+    layer = int(values[1])
+    if layer < 0:
+        raise InvalidSignal("layer_id", layer, "must be >= 0")
+    rows = values[KV_SIGNAL_HEADER:needed].reshape(count, KV_SIGNAL_ENTRY_WIDTH).tolist()
+    entries = tuple(_entry(index, slot, offset, length) for index, (slot, offset, length) in enumerate(rows))
+    return KvSignal(layer, entries)
+
+
+def _entry(index: int, slot: int, offset: int, length: int) -> tuple[int, int]:
+    if not 0 <= slot < KV_SIGNAL_MAX_TASKS:
+        raise InvalidSignal(f"entries[{index}].engine_idx", slot, f"must be in [0, {KV_SIGNAL_MAX_TASKS})")
+    if offset < 0:
+        raise InvalidSignal(f"entries[{index}].chunk_token_offset", offset, "must be >= 0")
+    if length < 0:
+        raise InvalidSignal(f"entries[{index}].current_seq_len", length, "must be >= 0")
+    return slot, offset + length
+
+
+def _as_int32_vector(data: Any) -> np.ndarray[Any, np.dtype[np.int32]]:
+    """A 1-D int32 numpy view of a paddle tensor or array-like; no silent casts."""
+    if _is_paddle_tensor(data):
+        data = data.numpy()
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__len__"):
+        raise InvalidSignal("kv_signal_data", type(data).__name__, "must be a paddle tensor or an int32 array")
+    array: np.ndarray[Any, Any] = np.asarray(data)
+    if array.dtype != np.int32:
+        raise InvalidSignal("dtype", str(array.dtype), "must be int32")
+    if array.ndim != 1:
+        raise InvalidSignal("shape", tuple(array.shape), "must be one-dimensional")
+    return array
+
+
+def _is_paddle_tensor(data: Any) -> bool:
+    paddle = sys.modules.get("paddle")
+    return paddle is not None and isinstance(data, paddle.Tensor)
