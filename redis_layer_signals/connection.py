@@ -7,6 +7,12 @@ buffer of the process); ``redis://``, ``rediss://`` (TLS) and ``unix://`` one se
 
 Clients made here answer in bytes, time out after ``retry_s`` and do not retry internally:
 the buffer's own retry loop owns the time bound and the idempotency tokens.
+
+Sentinel: after ``SENTINEL FAILOVER`` the old primary keeps accepting writes until the
+sentinels reconfigure it (up to about 10 s later), and those writes are lost when it becomes a
+replica. A primary run with ``min-replicas-to-write 1`` refuses them (``NOREPLICAS``) instead;
+the sentinel connections made here turn that refusal, like ``READONLY``, into a reconnect that
+asks the sentinels for the primary again, so the resent call reaches the new one.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
+
+from redis.exceptions import ConnectionError, ResponseError
 
 from .errors import InvalidConfig
 
@@ -66,6 +74,18 @@ def parse_multi_host(url: str) -> MultiHostUrl:
     return MultiHostUrl(scheme.lower(), hosts, username, password, path.strip("/"), parse_qs(query))
 
 
+NOREPLICAS = "NOREPLICAS"
+"""Error prefix of a write refused by ``min-replicas-to-write``: not (or no longer) a safe primary."""
+
+
+class NotPrimaryAnymore(ConnectionError):
+    """The sentinel-named primary refused a write (NOREPLICAS): ask the sentinels again."""
+
+
+def _refused_by_old_primary(error: BaseException, is_master: bool) -> bool:
+    return is_master and str(error).startswith(NOREPLICAS)
+
+
 def memory_server(name: str) -> Any:
     import fakeredis
 
@@ -107,6 +127,7 @@ def sync_client(url: str, retry_s: float) -> Any:
             startup_nodes=[node(host, port) for host, port in parsed.hosts],
             username=parsed.username,
             password=parsed.password,
+            retry=no_retry,  # MOVED/ASK are still followed; errors come back to the buffer's loop
             **_timeouts(retry_s),
         )
     if scheme == SENTINEL:
@@ -118,7 +139,9 @@ def sync_client(url: str, retry_s: float) -> Any:
         service, db = _sentinel_target(url, parsed)
         credentials: dict[str, Any] = {"username": parsed.username, "password": parsed.password}
         sentinel = sentinel_cls(parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s))
-        return sentinel.master_for(service, db=db, retry=no_retry, **credentials)
+        return sentinel.master_for(
+            service, db=db, retry=no_retry, connection_class=_sync_primary_connection(), **credentials
+        )
     raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
 
 
@@ -148,6 +171,7 @@ def async_client(url: str, retry_s: float) -> Any:
             startup_nodes=[node(host, port) for host, port in parsed.hosts],
             username=parsed.username,
             password=parsed.password,
+            retry=no_retry,
             **_timeouts(retry_s),
         )
     if scheme == SENTINEL:
@@ -159,8 +183,43 @@ def async_client(url: str, retry_s: float) -> Any:
         service, db = _sentinel_target(url, parsed)
         credentials: dict[str, Any] = {"username": parsed.username, "password": parsed.password}
         sentinel = sentinel_cls(parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s))
-        return sentinel.master_for(service, db=db, retry=no_retry, **credentials)
+        return sentinel.master_for(
+            service, db=db, retry=no_retry, connection_class=_async_primary_connection(), **credentials
+        )
     raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
+
+
+def _sync_primary_connection() -> type[Any]:
+    """redis-py's sentinel connection, also reconnecting when the primary refuses (NOREPLICAS)."""
+    from redis.sentinel import SentinelManagedConnection
+
+    class PrimaryConnection(SentinelManagedConnection):
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().read_response(*args, **kwargs)
+            except ResponseError as exc:
+                if not _refused_by_old_primary(exc, self.connection_pool.is_master):
+                    raise
+                self.disconnect()  # type: ignore[no-untyped-call]
+                raise NotPrimaryAnymore(f"the primary refused a write, asking the sentinels again: {exc}") from exc
+
+    return PrimaryConnection
+
+
+def _async_primary_connection() -> type[Any]:
+    from redis.asyncio.sentinel import SentinelManagedConnection
+
+    class AsyncPrimaryConnection(SentinelManagedConnection):
+        async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await super().read_response(*args, **kwargs)
+            except ResponseError as exc:
+                if not _refused_by_old_primary(exc, self.connection_pool.is_master):
+                    raise
+                await self.disconnect()
+                raise NotPrimaryAnymore(f"the primary refused a write, asking the sentinels again: {exc}") from exc
+
+    return AsyncPrimaryConnection
 
 
 def _sentinel_target(url: str, parsed: MultiHostUrl) -> tuple[str, int]:

@@ -1,0 +1,301 @@
+"""Real multi-process Redis topologies for the tests: a Cluster (primaries, optionally with
+replicas) and a Sentinel group (one primary, one replica, three sentinels).
+
+Everything runs from Debian's binaries on free ports in temp dirs, with short timeouts so a
+failover takes seconds, and is torn down by ``cleanup``. Port 6379 is never used; a missing
+binary raises (the run fails, it does not skip)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from tests.servers import RedisServer, free_port, require_binary, wait_until
+
+CLUSTER_BUS_OFFSET = 10000
+"""Redis Cluster's bus listens on port + 10000: both must be free."""
+CLUSTER_NODE_TIMEOUT_MS = 1000
+"""Short enough that a killed primary is replaced within a few seconds."""
+SENTINEL_SERVICE = "rls-primary"
+SENTINEL_DOWN_AFTER_MS = 500
+SENTINEL_FAILOVER_TIMEOUT_MS = 3000
+AOF_ALWAYS = ("--appendonly", "yes", "--appendfsync", "always")
+"""Every write fsynced before the reply: a restart loses nothing that was acknowledged."""
+
+
+def _port_is_free(port: int) -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port(taken: set[int]) -> int:
+    """A free port whose cluster bus port is free too (and neither is 6379)."""
+    for _ in range(200):
+        port = free_port()
+        bus = port + CLUSTER_BUS_OFFSET
+        if bus < 65536 and port != 6379 and bus != 6379 and not {port, bus} & taken and _port_is_free(bus):
+            taken.update({port, bus})
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class ClusterTopology:
+    """``primaries`` cluster nodes, each with ``replicas`` replicas, created with redis-cli."""
+
+    def __init__(self, primaries: int = 3, replicas: int = 0, extra_args: Sequence[str] = ()) -> None:
+        self.primaries = primaries
+        self.replicas = replicas
+        taken: set[int] = set()
+        args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            str(CLUSTER_NODE_TIMEOUT_MS),
+            # a killed replica-less primary must not stop the rest of the cluster answering
+            "--cluster-require-full-coverage",
+            "no",
+            *extra_args,
+        ]
+        count = primaries * (1 + replicas)
+        self.nodes = [RedisServer(args, port=free_cluster_port(taken)) for _ in range(count)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[: self.primaries])
+
+    def start(self) -> ClusterTopology:
+        for node in self.nodes:
+            node.start()
+        cli = require_binary("redis-cli")
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        created = subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        if created.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]!r} {created.stderr!r}")
+        wait_until(self.healthy, timeout=30, what="cluster_state:ok with every replica attached")
+        return self
+
+    def healthy(self) -> bool:
+        """Every live node reports cluster_state:ok and sees the expected primaries and replicas."""
+        for node in self.live_nodes():
+            client = node.client()
+            try:
+                info = client.cluster("info")
+                if info.get("cluster_state") != "ok":
+                    return False
+                roles = [n for n in client.cluster("nodes").values() if "fail" not in n["flags"]]
+                primaries = [n for n in roles if "master" in n["flags"] and n["slots"]]
+                if len(primaries) != self.primaries:
+                    return False
+            finally:
+                client.close()
+        return self.replicas == 0 or all(self.replica_count(p) >= self.replicas for p in self.primary_nodes())
+
+    def live_nodes(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    def role(self, node: RedisServer) -> str:
+        client = node.client()
+        try:
+            return str(client.info("replication")["role"])
+        finally:
+            client.close()
+
+    def primary_nodes(self) -> list[RedisServer]:
+        return [n for n in self.live_nodes() if self.role(n) == "master"]
+
+    def replica_count(self, node: RedisServer) -> int:
+        client = node.client()
+        try:
+            return int(client.info("replication")["connected_slaves"])
+        finally:
+            client.close()
+
+    def node_for_key(self, key: str) -> RedisServer:
+        """The primary that serves ``key``'s slot now, as the cluster itself reports it."""
+        client = self.primary_nodes()[0].client()
+        try:
+            slot = int(client.cluster("keyslot", key))
+            port = _slot_owner_port(client, slot)
+        finally:
+            client.close()
+        return next(n for n in self.nodes if n.port == port)
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+
+
+def _slot_owner_port(client: redis.Redis, slot: int) -> int:
+    for entry in client.execute_command("CLUSTER", "SLOTS"):
+        if int(entry[0]) <= slot <= int(entry[1]):
+            return int(entry[2][1])
+    raise LookupError(slot)
+
+
+class SentinelProcess:
+    """One ``redis-server --sentinel`` with its own (rewritable) config file."""
+
+    def __init__(self, primary_port: int) -> None:
+        self.binary = require_binary("redis-server")
+        require_binary("redis-sentinel")  # the Debian package make servers installs
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="rls-sentinel-")
+        self.config = Path(self.dir) / "sentinel.conf"
+        self.config.write_text(
+            "\n".join(
+                [
+                    f"port {self.port}",
+                    "bind 127.0.0.1",
+                    f"dir {self.dir}",
+                    f"logfile {self.dir}/sentinel.log",
+                    f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {primary_port} 2",
+                    f"sentinel down-after-milliseconds {SENTINEL_SERVICE} {SENTINEL_DOWN_AFTER_MS}",
+                    f"sentinel failover-timeout {SENTINEL_SERVICE} {SENTINEL_FAILOVER_TIMEOUT_MS}",
+                    f"sentinel parallel-syncs {SENTINEL_SERVICE} 1",
+                    "",
+                ]
+            )
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SentinelProcess:
+        self.process = subprocess.Popen(
+            [self.binary, str(self.config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_until(lambda: self.client().ping(), timeout=15, what=f"sentinel on port {self.port}")
+        return self
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True)
+
+    def cleanup(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SentinelTopology:
+    """One primary, one replica and three sentinels watching them (quorum 2)."""
+
+    def __init__(self, extra_args: Sequence[str] = ()) -> None:
+        self.primary = RedisServer(list(extra_args))
+        self.replica = RedisServer([*extra_args, "--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.sentinels = [SentinelProcess(self.primary.port) for _ in range(3)]
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [self.primary, self.replica]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{SENTINEL_SERVICE}"
+
+    def start(self) -> SentinelTopology:
+        self.primary.start()
+        self.replica.start()
+        wait_until(lambda: self.replica_synced(self.replica), timeout=15, what="replica in sync")
+        for sentinel in self.sentinels:
+            sentinel.start()
+        wait_until(self.sentinels_agree, timeout=20, what="sentinels see the primary, replica and each other")
+        return self
+
+    def current_primary_port(self) -> int:
+        client = self.sentinels[0].client()
+        try:
+            _host, port = client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
+            return int(port)
+        finally:
+            client.close()
+
+    def current_primary(self) -> RedisServer:
+        port = self.current_primary_port()
+        return next(s for s in self.servers if s.port == port)
+
+    def current_replica(self) -> RedisServer:
+        port = self.current_primary_port()
+        return next(s for s in self.servers if s.port != port)
+
+    def replica_synced(self, server: RedisServer) -> bool:
+        client = server.client()
+        try:
+            info = client.info("replication")
+            return info["role"] == "slave" and info["master_link_status"] == "up"
+        finally:
+            client.close()
+
+    def sentinels_agree(self) -> bool:
+        """Every sentinel names the same primary, knows one healthy replica and two other sentinels."""
+        port = self.current_primary_port()
+        for sentinel in self.sentinels:
+            client = sentinel.client()
+            try:
+                state = client.sentinel_master(SENTINEL_SERVICE)
+                replicas = client.sentinel_slaves(SENTINEL_SERVICE)
+                if int(state["port"]) != port or int(state["num-other-sentinels"]) < 2:
+                    return False
+                if "s_down" in str(state["flags"]) or "o_down" in str(state["flags"]):
+                    return False
+                healthy = [
+                    r for r in replicas if "s_down" not in str(r["flags"]) and "disconnected" not in str(r["flags"])
+                ]
+                if len(healthy) < 1:
+                    return False
+            finally:
+                client.close()
+        return True
+
+    def failover(self) -> int:
+        """``SENTINEL FAILOVER`` and wait until the old replica is the primary; returns its port."""
+        old = self.current_primary_port()
+        client = self.sentinels[0].client()
+        try:
+            wait_until(
+                lambda: client.execute_command("SENTINEL", "FAILOVER", SENTINEL_SERVICE),
+                timeout=15,
+                what="sentinel accepting the failover",
+            )
+        finally:
+            client.close()
+        wait_until(lambda: self.current_primary_port() != old, timeout=20, what="the sentinels promoting the replica")
+        new = self.current_primary()
+        wait_until(lambda: self.role_of(new) == "master", timeout=20, what="the promoted replica answering as primary")
+        return new.port
+
+    def role_of(self, server: RedisServer) -> str:
+        client = server.client()
+        try:
+            return str(client.info("replication")["role"])
+        finally:
+            client.close()
+
+    def settle(self) -> None:
+        """Wait until both servers run, the replica follows the primary and the sentinels agree."""
+        wait_until(lambda: self.replica_synced(self.current_replica()), timeout=30, what="replica re-attached")
+        wait_until(self.sentinels_agree, timeout=30, what="sentinels settled")
+
+    def cleanup(self) -> None:
+        for sentinel in self.sentinels:
+            sentinel.cleanup()
+        for server in self.servers:
+            server.cleanup()
