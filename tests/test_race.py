@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import uuid
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from redis_layer_signals import SignalBuffer
 from tests.race import SLOTS, Log, work
@@ -58,5 +58,15 @@ def test_eight_processes_racing_on_real_redis_account_for_every_signal_once(redi
     logs, buf = run_race(redis_server.url, seed=7)
     assert sum(log.registered for log in logs) > 0 and sum(log.occupied for log in logs) > 0
     assert sum(len(log.recovered) for log in logs) > 0 and sum(len(log.delivered) for log in logs) > 0
+    assert_every_signal_accounted_once(logs, buf)
+    buf.close()
+
+
+def test_sixteen_threads_racing_on_real_redis_account_for_every_signal_once(redis_server: RedisServer) -> None:
+    namespace = f"race-threads-{uuid.uuid4().hex[:8]}"
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = [pool.submit(work, redis_server.url, namespace, w, 120, 11) for w in range(16)]
+        logs = [f.result(timeout=240) for f in futures]
+    buf = SignalBuffer.from_url(redis_server.url, namespace=namespace, env={})
     assert_every_signal_accounted_once(logs, buf)
     buf.close()
