@@ -12,6 +12,7 @@ import redis
 
 from redis_layer_signals import AsyncSignalBuffer, SignalBuffer
 from tests.servers import RedisServer
+from tests.topology import AOF_ALWAYS, ClusterTopology, SentinelTopology
 
 _counter = itertools.count()
 
@@ -28,7 +29,7 @@ def namespace() -> str:
     return f"t{next(_counter)}-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=["fake", "real"])
+@pytest.fixture(params=["fake", "real", "cluster"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -37,8 +38,41 @@ def backend(request: pytest.FixtureRequest) -> str:
 def url(backend: str, request: pytest.FixtureRequest) -> str:
     if backend == "fake":
         return f"memory://{uuid.uuid4().hex}"
+    if backend == "cluster":
+        topology: ClusterTopology = request.getfixturevalue("cluster")
+        return topology.url
     server: RedisServer = request.getfixturevalue("redis_server")
     return server.url
+
+
+# --- topologies (Cluster, Sentinel): started once per session, see tests/topology.py ---------
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[ClusterTopology]:
+    """Three primaries, no replicas: the behaviour suite's third backend."""
+    topology = ClusterTopology(primaries=3).start()
+    yield topology
+    topology.cleanup()
+
+
+@pytest.fixture(scope="session")
+def cluster_with_replicas() -> Iterator[ClusterTopology]:
+    """Three primaries with one replica each, with AOF always: for failover and migration."""
+    topology = ClusterTopology(primaries=3, replicas=1, extra_args=AOF_ALWAYS).start()
+    yield topology
+    topology.cleanup()
+
+
+@pytest.fixture(scope="session")
+def sentinel_group() -> Iterator[SentinelTopology]:
+    """One primary, one replica, three sentinels (quorum 2), AOF always on both servers."""
+    topology = SentinelTopology(extra_args=AOF_ALWAYS).start()
+    yield topology
+    topology.cleanup()
+
+
+# --- end of topologies ----------------------------------------------------------------------
 
 
 @pytest.fixture
