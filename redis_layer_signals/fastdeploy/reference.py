@@ -87,16 +87,19 @@ class UnbufferedBridge(Layer0Bridge):
 
 
 class Progress:
-    """Per slot, the newest ``(prefilled_tokens, layer)`` the GPU has signalled."""
+    """Per slot, the newest ``(prefilled_tokens, layer)`` the GPU has signalled: what the
+    sender may write. FastDeploy keeps the same in ``engine_cache_tasks``."""
 
     def __init__(self) -> None:
         self._done: dict[int, tuple[int, int]] = {}
         self._changed = threading.Condition()
 
     def advance(self, signal: KvSignal) -> None:
+        """The newest signal wins, as in FastDeploy: a stale signal left by an earlier request
+        on the slot is overwritten by the next real one instead of vouching for it."""
         with self._changed:
             for slot, tokens in signal.entries:
-                self._done[slot] = max(self._done.get(slot, (0, -1)), (tokens, signal.layer))
+                self._done[slot] = (tokens, signal.layer)
             self._changed.notify_all()
 
     def reset(self, slot: int) -> None:

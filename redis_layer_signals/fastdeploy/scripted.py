@@ -43,6 +43,9 @@ class PrefillRequest:
     block_size: int = 64
     decode_cached_blocks: int = 0
     """Blocks the decode node already holds (prefix cache hit): never sent."""
+    block_base: int | None = None
+    """First source block id; defaults to ``slot * 1000``. Give two requests that share a
+    slot different bases so each block id names one request's block."""
 
     @property
     def num_blocks(self) -> int:
@@ -50,12 +53,14 @@ class PrefillRequest:
 
     @property
     def src_block_ids(self) -> list[int]:
-        return [self.slot * 1000 + i for i in range(self.num_blocks)]
+        base = self.slot * 1000 if self.block_base is None else self.block_base
+        return [base + i for i in range(self.num_blocks)]
 
     @property
     def dest_block_ids(self) -> list[int]:
-        """Blocks the decode node allocated: all but its cached prefix."""
-        return [DEST_BLOCK_BASE + self.slot * 1000 + i for i in range(self.decode_cached_blocks, self.num_blocks)]
+        """Blocks the decode node allocated, all but its cached prefix: source id plus
+        :data:`DEST_BLOCK_BASE`, so a write's pairs can be checked."""
+        return [DEST_BLOCK_BASE + block for block in self.src_block_ids[self.decode_cached_blocks :]]
 
     def prefill_half(self) -> dict[str, Any]:
         """What the prefill engine sends to its cache messager."""
