@@ -1,0 +1,184 @@
+"""Layer0Bridge's three hooks on the buffer, on fakeredis and on a real redis-server: what each
+returns to CacheMessagerV1, what it leaves in the buffer, and that bad input writes nothing."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+
+from redis_layer_signals import InvalidConfig, InvalidSignal, InvalidTask, SignalBuffer
+from redis_layer_signals.fastdeploy import KV_SIGNAL_LENGTH, KvSignal, Layer0Bridge
+from redis_layer_signals.fastdeploy.bridge import block_ids
+
+LAYERS = 4
+
+
+def kv(layer: int, *entries: tuple[int, int, int]) -> Any:
+    values = np.full(KV_SIGNAL_LENGTH, -1, dtype=np.int32)
+    values[0], values[1] = len(entries), layer
+    for i, entry in enumerate(entries):
+        values[2 + 3 * i : 5 + 3 * i] = entry
+    return values
+
+
+def cache_info(slot: int = 5, request_id: str = "req-1", need: int = 300, **extra: Any) -> dict[str, Any]:
+    blocks = -(-need // 64)
+    info: dict[str, Any] = {
+        "request_id": request_id,
+        "current_id": slot,
+        "need_prefill_tokens": need,
+        "src_block_ids": list(range(blocks)),
+        "dest_block_ids": [100 + b for b in range(blocks)],
+        "decode_cached_tokens": 0,
+        "transfer_protocol": "rdma",
+        "ip": "10.0.0.7",
+        "rdma_ports": [7000, 7001],
+        "status": "init",
+    }
+    info.update(extra)
+    return info
+
+
+@pytest.fixture
+def bridge(buf: SignalBuffer) -> Layer0Bridge:
+    return Layer0Bridge(buf, "p0", 0, num_layers=LAYERS)
+
+
+def test_layer0_signal_without_task_is_buffered_not_returned(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    assert bridge.on_kv_signal(kv(0, (5, 0, 128), (7, 0, 64))) == []
+    assert [(s.layer, s.tokens) for s in buf.pending("p0", 0, 5)] == [(0, 128)]
+    assert [(s.layer, s.tokens) for s in buf.pending("p0", 0, 7)] == [(0, 64)]
+
+
+def test_layer0_signal_for_registered_slot_is_returned_for_the_queue(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    assert bridge.on_cache_task(cache_info(slot=5)) == []
+    assert bridge.on_kv_signal(kv(0, (7, 0, 64), (5, 128, 64))) == [(5, 192)]
+    assert buf.pending("p0", 0, 5) == []
+    assert [s.tokens for s in buf.pending("p0", 0, 7)] == [64]
+
+
+def test_later_layers_and_empty_reads_pass_through_without_touching_redis(
+    bridge: Layer0Bridge, buf: SignalBuffer
+) -> None:
+    assert bridge.on_kv_signal(kv(1, (5, 0, 128))) == []
+    assert bridge.on_kv_signal(kv(LAYERS - 1, (5, 0, 128))) == []
+    assert bridge.on_kv_signal(np.full(KV_SIGNAL_LENGTH, -1, dtype=np.int32)) == []
+    assert bridge.on_kv_signal(KvSignal(0, ())) == []
+    assert buf.pending("p0", 0, 5) == []
+    assert buf.stats()["recorded"] == 0
+
+
+def test_already_decoded_signal_is_accepted(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    bridge.on_cache_task(cache_info(slot=5))
+    assert bridge.on_kv_signal(KvSignal(0, ((5, 256),))) == [(5, 256)]
+
+
+def test_cache_task_registration_returns_the_early_batch_once(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    bridge.on_kv_signal(kv(0, (5, 0, 128)))
+    bridge.on_kv_signal(kv(0, (5, 128, 128)))  # the second chunk supersedes the first
+    assert bridge.on_cache_task(cache_info(slot=5)) == [(5, 256)]
+    assert buf.pending("p0", 0, 5) == []
+    assert bridge.on_kv_signal(kv(0, (5, 256, 44))) == [(5, 300)]
+    assert buf.stats()["superseded"] == 1
+
+
+def test_cache_info_maps_to_a_task_with_block_ids_readable_from_redis(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    info = cache_info(slot=np.int32(9), need=200, decode_cached_tokens=np.int64(64))
+    bridge.on_cache_task(info)
+    task = buf.task("p0", 0, 9)
+    assert task is not None
+    assert (task.request_id, task.need_prefill_tokens, task.num_layers, task.decode_cached_tokens) == (
+        "req-1",
+        200,
+        LAYERS,
+        64,
+    )
+    assert block_ids(task, "src_block_ids") == [0, 1, 2, 3]
+    assert block_ids(task, "dest_block_ids") == [100, 101, 102, 103]
+    assert task.meta["transfer_protocol"] == "rdma" and task.meta["ip"] == "10.0.0.7"
+    assert "rdma_ports" not in task.meta and "status" not in task.meta
+
+
+def test_early_signal_over_need_is_dropped_and_logged_with_reason(
+    bridge: Layer0Bridge, buf: SignalBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    bridge.on_kv_signal(kv(0, (5, 0, 5000)))
+    with caplog.at_level(logging.WARNING, logger="redis_layer_signals.fastdeploy"):
+        assert bridge.on_cache_task(cache_info(slot=5, need=300)) == []
+    assert "over_need" in caplog.text and "slot 5" in caplog.text and "req-1" in caplog.text
+    assert buf.stats()["dropped_over_need"] == 1
+    assert buf.pending("p0", 0, 5) == []
+
+
+def test_finish_releases_the_slot_and_a_late_finish_is_fenced(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    bridge.on_cache_task(cache_info(slot=5, request_id="req-a"))
+    assert bridge.on_task_finished(5, "req-a").removed
+    bridge.on_cache_task(cache_info(slot=5, request_id="req-b"))
+    late = bridge.on_task_finished(5, "req-a")
+    assert late.fenced and not late.removed
+    task = buf.task("p0", 0, 5)
+    assert task is not None and task.request_id == "req-b"
+
+
+def test_finish_of_an_aborted_request_drops_its_early_signal(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    bridge.on_kv_signal(kv(0, (5, 0, 128)))
+    assert bridge.on_task_finished(5, "req-1").dropped == 1
+    assert buf.pending("p0", 0, 5) == []
+    assert bridge.on_cache_task(cache_info(slot=5, request_id="req-2")) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"request_id": None}, "request_id"),
+        ({"request_id": "bad id"}, "request_id"),
+        ({"current_id": "5"}, "current_id"),
+        ({"current_id": True}, "current_id"),
+        ({"current_id": 512}, "slot"),
+        ({"need_prefill_tokens": 1.5}, "need_prefill_tokens"),
+        ({"need_prefill_tokens": -1}, "need_prefill_tokens"),
+        ({"decode_cached_tokens": "0"}, "decode_cached_tokens"),
+        ({"src_block_ids": "0,1"}, "src_block_ids"),
+        ({"dest_block_ids": [100, "x"]}, "dest_block_ids[1]"),
+    ],
+)
+def test_bad_cache_info_raises_invalid_task_and_writes_nothing(
+    bridge: Layer0Bridge, buf: SignalBuffer, change: dict[str, Any], field: str
+) -> None:
+    info = cache_info(slot=5)
+    for key, value in change.items():
+        if value is None:
+            del info[key]
+        else:
+            info[key] = value
+    with pytest.raises(InvalidTask) as caught:
+        bridge.on_cache_task(info)
+    assert caught.value.field == field and isinstance(caught.value, ValueError)
+    assert buf.task("p0", 0, 5) is None
+    assert buf.stats()["registered"] == 0
+
+
+def test_cache_info_that_is_not_a_mapping_is_refused(bridge: Layer0Bridge) -> None:
+    with pytest.raises(InvalidTask) as caught:
+        bridge.on_cache_task([("request_id", "req-1")])  # type: ignore[arg-type]
+    assert caught.value.field == "cache_info"
+
+
+def test_malformed_signal_raises_and_records_nothing(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    with pytest.raises(InvalidSignal):
+        bridge.on_kv_signal(kv(0, (5, 0, 128)).astype(np.int64))
+    with pytest.raises(InvalidSignal):
+        bridge.on_kv_signal(kv(0, (5, 0, 128), (600, 0, 1)))
+    assert buf.pending("p0", 0, 5) == []
+    assert buf.stats()["recorded"] == 0
+
+
+@pytest.mark.parametrize(("option", "value"), [("block_size", 0), ("block_size", True), ("num_layers", 0)])
+def test_bad_bridge_option_raises_invalid_config(buf: SignalBuffer, option: str, value: Any) -> None:
+    options: dict[str, Any] = {"block_size": 64, "num_layers": LAYERS, option: value}
+    with pytest.raises(InvalidConfig) as caught:
+        Layer0Bridge(buf, "p0", 0, **options)
+    assert caught.value.field == option
