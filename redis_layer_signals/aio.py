@@ -83,8 +83,8 @@ class AsyncSignalBuffer:
         seconds, micros = await self._retrying("time", self.client.time)
         return int(seconds) * 1000 + int(micros) // 1000
 
-    async def ranks(self) -> list[tuple[str, int]]:
-        pattern = self.protocol.keys.pattern()
+    async def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
+        pattern = self.protocol.keys.pattern(kind)
         found = set()
         async for key in self.client.scan_iter(match=pattern, count=1000):
             owner = self.protocol.keys.owner(key)
@@ -94,7 +94,7 @@ class AsyncSignalBuffer:
 
     async def sweep(self) -> int:
         total = 0
-        for instance, rank in await self.ranks():
+        for instance, rank in await self.ranks("expiry"):
             call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
             while True:
                 expired = int(await self._retrying("sweep", partial(self._run_script, call)))

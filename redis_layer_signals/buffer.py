@@ -101,10 +101,14 @@ class SignalBuffer:
         seconds, micros = self._retrying("time", self.client.time)
         return int(seconds) * 1000 + int(micros) // 1000
 
-    def ranks(self) -> list[tuple[str, int]]:
-        """Every (instance, rank) that has keys in this namespace (SCAN, never KEYS)."""
+    def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
+        """Every (instance, rank) with a ``kind`` key in this namespace (SCAN, never KEYS).
+
+        Every rank that ever recorded has a ``stats`` key, so the default finds them all without
+        walking the short-lived reply keys; ``kind="*"`` walks every key of the namespace.
+        """
         found = set()
-        pattern = self.protocol.keys.pattern()
+        pattern = self.protocol.keys.pattern(kind)
         for key in self._retrying("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000))):
             owner = self.protocol.keys.owner(key)
             if owner is not None:
@@ -114,7 +118,7 @@ class SignalBuffer:
     def sweep(self) -> int:
         """Count and remove expired pending signals on every rank of the namespace."""
         total = 0
-        for instance, rank in self.ranks():
+        for instance, rank in self.ranks("expiry"):
             call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
             while True:
                 expired = int(self._retrying("sweep", partial(self._run_script, call)))
