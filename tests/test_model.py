@@ -49,6 +49,7 @@ class BufferMachine(RuleBasedStateMachine):
         if self.resend_next:
             self.resend_next = False
             self._original_run(call)
+            self.model.count("replayed")
         return self._original_run(call)
 
     @rule()
@@ -100,6 +101,31 @@ class BufferMachine(RuleBasedStateMachine):
         removed, dropped, fenced = self.model.finish(slot, rid)
         fin = self.buf.finish("p0", 0, slot, rid)
         assert (fin.removed, fin.dropped, fin.fenced) == (removed, dropped, fenced)
+
+    @rule(
+        layer=LAYERS,
+        entries=ENTRIES,
+        slot=SLOTS,
+        rid=REQUESTS,
+        finish_instead=st.booleans(),
+    )
+    def record_reply_lost_while_another_client_acts(
+        self, layer: int, entries: list[tuple[int, int, str | None]], slot: int, rid: str, finish_instead: bool
+    ) -> None:
+        """Record runs, its reply is lost, another client registers (or finishes) a slot, and
+        only then does the resend arrive: it must replay the first outcome, not run again."""
+        flags = self.model.record(layer, entries)
+        prepared = self.buf.protocol.record("p0", 0, layer, entries)
+        assert prepared.call is not None
+        first = prepared.parse(self._original_run(prepared.call))
+        if finish_instead:
+            self.finish(slot, rid)
+        else:
+            self.register(slot, rid, need=4096, layers=5, replace=False)
+        resent = prepared.parse(self._original_run(prepared.call))
+        assert resent == first
+        assert [s.slot for s in resent.buffered] == [e[0] for e, f in zip(entries, flags, strict=True) if f == "B"]
+        self.model.count("replayed")
 
     @invariant()
     def stored_state_matches_model(self) -> None:
