@@ -5,9 +5,25 @@
 -- no writes of its own. Every key it touches is handed in by the caller, which got it from KEYS.
 --
 -- Pending signals of one slot live in one field of the rank's pending hash, packed as records
--- "layer,tokens,request_id,recorded_at_ms,deadline_ms;" (request_id empty when unknown).
--- Numbers that came from the client stay strings, so values up to 2^53 survive untouched
--- (Lua 5.1 prints large numbers in %.14g); computed numbers are printed with %d.
+-- ";layer,tokens,request_id,recorded_at_ms,deadline_ms" in arrival order (request_id empty when
+-- unknown). The leading ';' lets record find a slot's layer with one plain string.find and
+-- append or splice without decoding the other records, so a record costs the same however many
+-- layers the slot already holds. Numbers that came from the client stay strings, so values up
+-- to 2^53 survive untouched (Lua 5.1 prints large numbers in %.14g); computed numbers are
+-- printed with %d.
+--
+-- Hashes that scripts read with one HMGET per batch (live, pending) are created with the
+-- HASHTABLE field below: its value is longer than hash-max-listpack-value, so Redis keeps them
+-- in hashtable encoding, where HMGET costs O(1) per field instead of a scan of the listpack.
+--
+-- The expiry zset indexes groups of EXPIRY_GROUP slots (member: slot // EXPIRY_GROUP), scored
+-- by a time at or before the group's earliest pending deadline. Groups, not slots, keep the
+-- zset small (listpack-encoded for up to 1024 slots); a score left early by a pop is only a
+-- visit the sweep makes for nothing, and the sweep then writes the exact score back.
+
+local HASHTABLE_FIELD = '~'
+local HASHTABLE_VALUE = 'kept longer than hash-max-listpack-value (64) so HMGET stays O(1) per field'
+local EXPIRY_GROUP = 8
 
 local function fmt(n)
   return string.format('%d', n)
@@ -22,12 +38,16 @@ local function now_ms(arg)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+local function group_of(slot)
+  return fmt(math.floor(tonumber(slot) / EXPIRY_GROUP))
+end
+
 local function parse_pending(value)
   local records = {}
   if not value then
     return records
   end
-  for layer, tokens, rid, at, deadline in string.gmatch(value, '([^,;]*),([^,;]*),([^,;]*),([^,;]*),([^,;]*);') do
+  for layer, tokens, rid, at, deadline in string.gmatch(value, ';([^,;]*),([^,;]*),([^,;]*),([^,;]*),([^,;]*)') do
     records[#records + 1] = {layer = layer, tokens = tokens, rid = rid, at = at, deadline = tonumber(deadline)}
   end
   return records
@@ -36,27 +56,45 @@ end
 local function encode_pending(records)
   local parts = {}
   for i, rec in ipairs(records) do
-    parts[i] = rec.layer .. ',' .. rec.tokens .. ',' .. rec.rid .. ',' .. rec.at .. ',' .. fmt(rec.deadline) .. ';'
+    parts[i] = ';' .. rec.layer .. ',' .. rec.tokens .. ',' .. rec.rid .. ',' .. rec.at .. ',' .. fmt(rec.deadline)
   end
   return table.concat(parts)
 end
 
-local function earliest_deadline(records)
-  local earliest = records[1].deadline
-  for i = 2, #records do
-    if records[i].deadline < earliest then
-      earliest = records[i].deadline
-    end
+-- Set a key's TTL to ttl_ms given its PTTL read before the write (-2: the write created it).
+-- Refreshes only once less than ttl_ms - slack_ms is left, so a busy key is not re-expired on
+-- every call, and never shortens a TTL another caller set longer (PEXPIRE GT needs Redis 7).
+local function ensure_ttl(key, before, ttl_ms, slack_ms)
+  if before < ttl_ms - slack_ms then
+    redis.call('PEXPIRE', key, ttl_ms)
+    return true
   end
-  return earliest
+  return false
 end
 
--- Extend a key's TTL to at least ttl_ms; never shortens it (PEXPIRE GT needs Redis 7).
-local function extend_ttl(key, ttl_ms)
-  local current = redis.call('PTTL', key)
-  if current ~= -2 and current < ttl_ms then
-    redis.call('PEXPIRE', key, ttl_ms)
+-- HSET field/value pairs into a hash read by batched HMGET, creating it in hashtable encoding.
+-- Returns the PTTL the key had before the write (-2 when this call created it).
+local function hset_batch(key, pairs_list)
+  local before = redis.call('PTTL', key)
+  if before == -2 then
+    pairs_list[#pairs_list + 1] = HASHTABLE_FIELD
+    pairs_list[#pairs_list + 1] = HASHTABLE_VALUE
   end
+  redis.call('HSET', key, unpack(pairs_list))
+  return before
+end
+
+-- Remove a hash that only holds the encoding marker, so a released rank leaves no keys.
+local function drop_if_empty(key, also)
+  if redis.call('HLEN', key) <= 1 and redis.call('HEXISTS', key, HASHTABLE_FIELD) == 1 then
+    if also then
+      redis.call('DEL', key, also)
+    else
+      redis.call('DEL', key)
+    end
+    return true
+  end
+  return false
 end
 
 -- Holder of a slot from the rank's live hash: request id and whether its lease still runs.
@@ -64,40 +102,85 @@ local function parse_holder(value, now)
   if not value then
     return nil, false
   end
-  local rid, deadline = string.match(value, '^([^|]*)|(%d+)$')
-  return rid, tonumber(deadline) > now
+  local bar = string.find(value, '|', 1, true)
+  return string.sub(value, 1, bar - 1), tonumber(string.sub(value, bar + 1)) > now
 end
 
--- Write back one slot's pending records (or remove the slot) and keep the expiry index true.
+-- Remove one slot's pending field; when the rank has no pending signals left, drop the hash
+-- and its expiry index. A group score left early is fixed by the next sweep that reaches it.
+local function clear_pending(pending_key, expiry_key, slot)
+  redis.call('HDEL', pending_key, slot)
+  drop_if_empty(pending_key, expiry_key)
+end
+
+-- Write back one slot's remaining records (finish keeps other requests' signals).
 local function store_pending(pending_key, expiry_key, slot, records)
   if #records == 0 then
-    redis.call('HDEL', pending_key, slot)
-    redis.call('ZREM', expiry_key, slot)
+    clear_pending(pending_key, expiry_key, slot)
   else
     redis.call('HSET', pending_key, slot, encode_pending(records))
-    redis.call('ZADD', expiry_key, earliest_deadline(records), slot)
   end
 end
 
--- Count and remove pending signals whose deadline has passed, at most `limit` slots per run so
--- a script never loops over more than it was asked to.
+-- Count and remove pending signals whose deadline has passed. Visits at most `limit` slots'
+-- worth of groups that held expired signals, plus early-scored groups that turn out to hold
+-- none (each one HMGET, then rescored or removed), never more than the due page it fetched.
 local function sweep(pending_key, expiry_key, stats_key, now, limit)
   if limit <= 0 then
     return 0
   end
-  local due = redis.call('ZRANGEBYSCORE', expiry_key, '-inf', now, 'LIMIT', 0, limit)
-  local expired = 0
-  for _, slot in ipairs(due) do
-    local kept = {}
-    for _, rec in ipairs(parse_pending(redis.call('HGET', pending_key, slot))) do
-      if rec.deadline <= now then
-        expired = expired + 1
-      else
-        kept[#kept + 1] = rec
+  local group_limit = math.ceil(limit / EXPIRY_GROUP)
+  local due = redis.call('ZRANGEBYSCORE', expiry_key, '-inf', now, 'LIMIT', 0, group_limit * EXPIRY_GROUP)
+  if #due == 0 then
+    return 0
+  end
+  local expired, worked = 0, 0
+  for _, group in ipairs(due) do
+    if worked >= group_limit then
+      break
+    end
+    local first = tonumber(group) * EXPIRY_GROUP
+    local fields = {}
+    for s = 0, EXPIRY_GROUP - 1 do
+      fields[s + 1] = fmt(first + s)
+    end
+    local values = redis.call('HMGET', pending_key, unpack(fields))
+    local earliest = nil
+    local group_expired = 0
+    for s = 1, EXPIRY_GROUP do
+      if values[s] then
+        local kept, gone = {}, 0
+        for _, rec in ipairs(parse_pending(values[s])) do
+          if rec.deadline <= now then
+            gone = gone + 1
+          else
+            kept[#kept + 1] = rec
+            if earliest == nil or rec.deadline < earliest then
+              earliest = rec.deadline
+            end
+          end
+        end
+        if gone > 0 then
+          group_expired = group_expired + gone
+          if #kept == 0 then
+            redis.call('HDEL', pending_key, fields[s])
+          else
+            redis.call('HSET', pending_key, fields[s], encode_pending(kept))
+          end
+        end
       end
     end
-    store_pending(pending_key, expiry_key, slot, kept)
+    if earliest == nil then
+      redis.call('ZREM', expiry_key, group)
+    else
+      redis.call('ZADD', expiry_key, earliest, group)
+    end
+    if group_expired > 0 then
+      worked = worked + 1
+      expired = expired + group_expired
+    end
   end
+  drop_if_empty(pending_key, expiry_key)
   if expired > 0 then
     redis.call('HINCRBY', stats_key, 'expired', expired)
   end

@@ -3,7 +3,7 @@
 -- KEYS[1] live     hash  slot -> "request_id|lease_deadline_ms"
 -- KEYS[2] tasks    hash  slot -> task document; "<slot>:recovery" -> its recovery
 -- KEYS[3] pending  hash  slot -> packed pending records (see _lib.lua)
--- KEYS[4] expiry   zset  slot scored by its earliest pending deadline
+-- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
 -- KEYS[5] stats    hash  counters (no TTL)
 -- KEYS[6] reply    string, this call's idempotency token
 -- ARGV[1] now_ms (empty: server TIME)   ARGV[2] slot   ARGV[3] request_id
@@ -41,6 +41,7 @@ else
   local removed = 0
   if holder == request_id then
     redis.call('HDEL', live_key, slot)
+    drop_if_empty(live_key)
     redis.call('HDEL', tasks_key, slot, slot .. ':recovery')
     removed = 1
     redis.call('HINCRBY', stats_key, 'finished', 1)

@@ -3,7 +3,7 @@
 -- KEYS[1] live     hash  slot -> "request_id|lease_deadline_ms"
 -- KEYS[2] tasks    hash  slot -> task document (opaque here); "<slot>:recovery" -> its reply
 -- KEYS[3] pending  hash  slot -> packed pending records (see _lib.lua)
--- KEYS[4] expiry   zset  slot scored by its earliest pending deadline
+-- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
 -- KEYS[5] stats    hash  counters (no TTL)
 -- KEYS[6] reply    string, this call's idempotency token
 -- ARGV[1] now_ms (empty: server TIME)   ARGV[2] slot            ARGV[3] request_id
@@ -60,7 +60,8 @@ if alive then
   redis.call('HINCRBY', stats_key, 'replaced', 1)
 end
 
-local records = parse_pending(redis.call('HGET', pending_key, slot))
+local stored = redis.call('HGET', pending_key, slot)
+local records = parse_pending(stored)
 table.sort(records, function(a, b) return tonumber(a.layer) < tonumber(b.layer) end)
 
 local parts = {}
@@ -89,15 +90,16 @@ for i, rec in ipairs(records) do
 end
 local payload = table.concat(parts)
 
-if #records > 0 then
-  redis.call('HDEL', pending_key, slot)
-  redis.call('ZREM', expiry_key, slot)
+if stored then
+  clear_pending(pending_key, expiry_key, slot)
 end
 
-redis.call('HSET', live_key, slot, request_id .. '|' .. fmt(now + task_ttl))
+-- live and tasks gain and lose their fields together, so one PTTL serves both.
+local before = hset_batch(live_key, {slot, request_id .. '|' .. fmt(now + task_ttl)})
 redis.call('HSET', tasks_key, slot, ARGV[6], slot .. ':recovery', payload)
-extend_ttl(live_key, task_ttl)
-extend_ttl(tasks_key, task_ttl)
+if ensure_ttl(live_key, before, task_ttl, 0) then
+  redis.call('PEXPIRE', tasks_key, task_ttl)
+end
 
 redis.call('HINCRBY', stats_key, 'registered', 1)
 count(stats_key, 'recovered', recovered)

@@ -68,7 +68,7 @@ def _ms(seconds: float) -> str:
 def parse_pending(instance: str, rank: int, slot: int, packed: str) -> list[LayerSignal]:
     """Decode one slot's packed pending records (layout in lua/_lib.lua), ordered by layer."""
     signals = []
-    for record in filter(None, packed.split(";")):
+    for record in packed.split(";")[1:]:
         layer, tokens, rid, at, _deadline = record.split(",")
         signals.append(LayerSignal(instance, rank, slot, int(layer), int(tokens), rid or None, int(at)))
     return sorted(signals, key=lambda s: s.layer)
@@ -246,6 +246,8 @@ def sum_stats(hashes: Sequence[dict[Any, Any]]) -> dict[str, int]:
         for name, value in counters.items():
             key = _text(name)
             totals[key] = totals.get(key, 0) + int(value)
+    # record.lua counts delivered and buffered only: one counter write fewer per call.
+    totals["recorded"] = totals["delivered"] + totals["buffered"]
     return totals
 
 
