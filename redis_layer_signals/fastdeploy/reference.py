@@ -93,6 +93,8 @@ class Progress:
     def __init__(self) -> None:
         self._done: dict[int, tuple[int, int]] = {}
         self._changed = threading.Condition()
+        self.waiting_for: tuple[int, int, int] | None = None
+        """``(slot, tokens, layer)`` the sender is blocked on, for observers; None when not."""
 
     def advance(self, signal: KvSignal) -> None:
         """The newest signal wins, as in FastDeploy: a stale signal left by an earlier request
@@ -112,11 +114,15 @@ class Progress:
         A later chunk having started means every layer of the earlier one is done.
         """
         with self._changed:
-            while not stop.is_set():
-                done_tokens, done_layer = self._done.get(slot, (0, -1))
-                if done_tokens > tokens or (done_tokens == tokens and done_layer >= layer):
-                    return True
-                self._changed.wait(POLL_S)
+            try:
+                while not stop.is_set():
+                    done_tokens, done_layer = self._done.get(slot, (0, -1))
+                    if done_tokens > tokens or (done_tokens == tokens and done_layer >= layer):
+                        return True
+                    self.waiting_for = (slot, tokens, layer)
+                    self._changed.wait(POLL_S)
+            finally:
+                self.waiting_for = None
         return False
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,11 +109,15 @@ class ScriptedGpu:
         self._capacity: dict[int, int] = {}  # src block -> tokens it holds when complete
         self.paddle = load_paddle()
 
-    def forward(self, step: Sequence[tuple[PrefillRequest, int, int]]) -> None:
-        """One forward step over ``(request, chunk_token_offset, current_seq_len)`` entries."""
+    def forward(self, step: Sequence[tuple[PrefillRequest, int, int]], layers: Iterable[int] | None = None) -> None:
+        """One forward step over ``(request, chunk_token_offset, current_seq_len)`` entries.
+
+        ``layers`` runs only part of the step (the rest in a later call), to hold the GPU
+        between two layers.
+        """
         if not 0 < len(step) <= KV_SIGNAL_MAX_TASKS:
             raise InvalidSignal("step", len(step), f"a forward step carries 1..{KV_SIGNAL_MAX_TASKS} entries")
-        for layer in range(self.num_layers):
+        for layer in range(self.num_layers) if layers is None else layers:
             with self._lock:
                 for request, offset, length in step:
                     self._compute(request, layer, offset, length)
