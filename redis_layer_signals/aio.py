@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError
 
-from . import connection
+from . import connection, replication
 from .buffer import Observer, _text
 from .config import BufferConfig
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
@@ -34,6 +34,8 @@ class AsyncSignalBuffer:
         task_ttl_s: float | None = None,
         max_slots: int | None = None,
         retry_s: float | None = None,
+        wait_replicas: int | None = None,
+        wait_timeout_ms: int | None = None,
         clock: Clock | None = None,
         observer: Observer | None = None,
         env: Mapping[str, str] | None = None,
@@ -46,6 +48,8 @@ class AsyncSignalBuffer:
             task_ttl_s=task_ttl_s,
             max_slots=max_slots,
             retry_s=retry_s,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
         )
         self.client = client
         self.protocol = Protocol(self.config, clock)
@@ -140,8 +144,17 @@ class AsyncSignalBuffer:
         if call is None:
             return prepared.parse(None)
         started = time.perf_counter()
-        reply = await self._retrying(prepared.operation, lambda: self._run_script(call))
+        reply = await self._retrying(prepared.operation, lambda: self._send(prepared.operation, call))
         result = prepared.parse(reply)
         if self.observer is not None:
             self.observer(prepared.operation, time.perf_counter() - started)
         return result
+
+    # -- replication option (wait_replicas): see replication.py --------------------------------
+
+    async def _send(self, operation: str, call: ScriptCall) -> Any:
+        if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
+            script = self._scripts[call.script]
+            wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
+            return await replication.async_run_and_wait(self.client, script, call, operation, wanted, timeout_ms)
+        return await self._run_script(call)

@@ -15,6 +15,8 @@ from .constants import (
     DEFAULT_RETRY_S,
     DEFAULT_TASK_TTL_S,
     DEFAULT_URL,
+    DEFAULT_WAIT_REPLICAS,
+    DEFAULT_WAIT_TIMEOUT_MS,
     ENV_PREFIX,
 )
 from .errors import InvalidConfig
@@ -28,6 +30,8 @@ class BufferConfig:
     task_ttl_s: float = DEFAULT_TASK_TTL_S
     max_slots: int = DEFAULT_MAX_SLOTS
     retry_s: float = DEFAULT_RETRY_S
+    wait_replicas: int = DEFAULT_WAIT_REPLICAS  # replication option: see replication.py
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
 
     def __post_init__(self) -> None:
         validation.identifier(self.namespace, "namespace", InvalidConfig)
@@ -37,6 +41,8 @@ class BufferConfig:
         validation.positive_seconds(self.task_ttl_s, "task_ttl_s")
         validation.positive_seconds(self.retry_s, "retry_s")
         validation.integer(self.max_slots, "max_slots", InvalidConfig, 1, 65536)
+        validation.integer(self.wait_replicas, "wait_replicas", InvalidConfig, 0, 65536)
+        validation.integer(self.wait_timeout_ms, "wait_timeout_ms", InvalidConfig, 1, 2**31)
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> BufferConfig:
@@ -77,6 +83,8 @@ class BufferConfig:
             "task_ttl_s": self.task_ttl_s,
             "max_slots": self.max_slots,
             "retry_s": self.retry_s,
+            "wait_replicas": self.wait_replicas,
+            "wait_timeout_ms": self.wait_timeout_ms,
             "env": {},
         }
 
@@ -88,4 +96,6 @@ _ENV_FIELDS: dict[str, Any] = {
     "task_ttl_s": float,
     "max_slots": int,
     "retry_s": float,
+    "wait_replicas": int,
+    "wait_timeout_ms": int,
 }

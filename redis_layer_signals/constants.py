@@ -36,3 +36,8 @@ REPLY_GRACE_S = 5.0
 """A reply is remembered for retry_s plus this, longer than any resend of the same call."""
 SWEEP_LIMIT = 64
 """Slots one script run may sweep for expired signals: bounds the time a script blocks."""
+
+DEFAULT_WAIT_REPLICAS = 0
+"""Replicas that must confirm a record or register before it returns (0: asynchronous, no WAIT)."""
+DEFAULT_WAIT_TIMEOUT_MS = 100
+"""How long one WAIT blocks; the call resends (replaying its reply) until retry_s runs out."""

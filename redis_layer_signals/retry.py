@@ -9,6 +9,7 @@ import time
 from redis import exceptions as rx
 
 from .errors import BufferUnavailable
+from .replication import NotReplicated, SlotMoved
 
 RETRYABLE: tuple[type[BaseException], ...] = (
     rx.ConnectionError,  # includes BusyLoadingError (a restarted server loading its AOF)
@@ -19,6 +20,8 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     rx.ReadOnlyError,  # Sentinel: the old primary became a replica
     rx.SlotNotCoveredError,
     OSError,
+    NotReplicated,  # wait_replicas: resend; the script replays its reply and WAIT runs again
+    SlotMoved,
 )
 """Errors after which the same call may succeed when sent again."""
 

@@ -27,6 +27,8 @@ CLUSTER_NODE_TIMEOUT_MS = 1000
 SENTINEL_SERVICE = "rls-primary"
 SENTINEL_DOWN_AFTER_MS = 500
 SENTINEL_FAILOVER_TIMEOUT_MS = 3000
+FAST_SYNC = ("--repl-diskless-sync-delay", "0")
+"""A replica (re)joining gets its full sync at once instead of after the default 5 s wait."""
 AOF_ALWAYS = ("--appendonly", "yes", "--appendfsync", "always")
 """Every write fsynced before the reply: a restart loses nothing that was acknowledged."""
 
@@ -68,6 +70,7 @@ class ClusterTopology:
             # a killed replica-less primary must not stop the rest of the cluster answering
             "--cluster-require-full-coverage",
             "no",
+            *FAST_SYNC,
             *extra_args,
         ]
         count = primaries * (1 + replicas)
@@ -198,8 +201,8 @@ class SentinelTopology:
     """One primary, one replica and three sentinels watching them (quorum 2)."""
 
     def __init__(self, extra_args: Sequence[str] = ()) -> None:
-        self.primary = RedisServer(list(extra_args))
-        self.replica = RedisServer([*extra_args, "--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.primary = RedisServer([*FAST_SYNC, *extra_args])
+        self.replica = RedisServer([*FAST_SYNC, *extra_args, "--replicaof", "127.0.0.1", str(self.primary.port)])
         self.sentinels = [SentinelProcess(self.primary.port) for _ in range(3)]
 
     @property
@@ -278,9 +281,8 @@ class SentinelTopology:
         finally:
             client.close()
         wait_until(lambda: self.current_primary_port() != old, timeout=20, what="the sentinels promoting the replica")
-        new = self.current_primary()
-        wait_until(lambda: self.role_of(new) == "master", timeout=20, what="the promoted replica answering as primary")
-        return new.port
+        wait_until(self.primary_agreed, timeout=20, what="the promoted replica answering as primary")
+        return self.current_primary_port()
 
     def role_of(self, server: RedisServer) -> str:
         client = server.client()
@@ -290,9 +292,51 @@ class SentinelTopology:
             client.close()
 
     def settle(self) -> None:
-        """Wait until both servers run, the replica follows the primary and the sentinels agree."""
-        wait_until(lambda: self.replica_synced(self.current_replica()), timeout=30, what="replica re-attached")
+        """Bring the group back to one primary and one synced replica, as the sentinels would.
+
+        A dead server is restarted (from its AOF) as a replica of the current primary, and a
+        demoted primary the sentinels have not reconfigured yet (they do it on their 10 s INFO
+        round) is pointed at the new primary now, which is the reconfiguration they would send.
+        """
+        wait_until(self.primary_agreed, timeout=30, what="every sentinel naming the same live primary")
+        primary = self.current_primary()
+        replica = self.current_replica()
+        if replica.process is None or replica.process.poll() is not None:
+            replica.start()
+        if self.role_of(replica) == "master":
+            client = replica.client()
+            try:
+                client.replicaof("127.0.0.1", primary.port)
+            finally:
+                client.close()
+        for server in self.servers:
+            client = server.client()
+            try:
+                client.config_set("min-replicas-to-write", 0)
+            finally:
+                client.close()
+        wait_until(lambda: self.replica_synced(replica), timeout=30, what="replica re-attached")
         wait_until(self.sentinels_agree, timeout=30, what="sentinels settled")
+
+    def primary_agreed(self) -> bool:
+        """Every sentinel names the same primary, which answers as one: no failover in progress."""
+        ports = set()
+        for sentinel in self.sentinels:
+            client = sentinel.client()
+            try:
+                state = client.sentinel_master(SENTINEL_SERVICE)
+                if "failover" in str(state["flags"]) or "down" in str(state["flags"]):
+                    return False
+                ports.add(int(state["port"]))
+            finally:
+                client.close()
+        return len(ports) == 1 and self.role_of(self.current_primary()) == "master"
+
+    def wait_for_new_primary(self, old_port: int) -> RedisServer:
+        """After the primary died: wait until the sentinels promoted the replica."""
+        wait_until(lambda: self.current_primary_port() != old_port, timeout=30, what="sentinels promoting the replica")
+        wait_until(self.primary_agreed, timeout=30, what="the promoted replica answering as primary")
+        return self.current_primary()
 
     def cleanup(self) -> None:
         for sentinel in self.sentinels:

@@ -1,0 +1,113 @@
+"""Optional synchronous replication: run a script, then ``WAIT`` for replicas, on one connection.
+
+Redis replicates asynchronously: a primary that dies right after answering takes the last
+writes with it, and a failover promotes a replica that never saw them. With ``wait_replicas``
+set, ``record`` and ``register`` run ``EVALSHA`` and ``WAIT n timeout`` in one pipeline (WAIT
+only counts the writes of its own connection, so both must share it). Fewer acknowledgements
+than asked raise :class:`NotReplicated`, which the buffer's retry loop treats like a lost
+reply: it resends the same call (the script replays its stored reply, a write that WAIT then
+covers) until the replicas confirm or ``retry_s`` runs out (``BufferUnavailable``).
+
+On Redis Cluster the pipeline goes to the node that owns the call's hash slot; a ``MOVED``
+refreshes the slot table and retries, an ``ASK`` is followed once with ``ASKING``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.exceptions import AskError, ConnectionError, MovedError, NoScriptError, TimeoutError
+
+from .errors import SignalBufferError
+from .protocol import ScriptCall
+from .scripts import Script
+
+WAITED_OPERATIONS = ("record", "register")
+"""Calls whose effects a caller acts on right away, so they are worth a replica's confirmation."""
+
+
+class NotReplicated(SignalBufferError):
+    """Fewer replicas than ``wait_replicas`` confirmed a write in time (retryable)."""
+
+    def __init__(self, operation: str, wanted: int, acked: int, timeout_ms: int) -> None:
+        self.operation = operation
+        self.wanted = wanted
+        self.acked = acked
+        super().__init__(f"{operation}: {acked} of {wanted} replicas confirmed the write within {timeout_ms} ms")
+
+
+class SlotMoved(SignalBufferError):
+    """The hash slot moved while a waited call ran on Redis Cluster (retryable)."""
+
+
+def _is_cluster(client: Any) -> bool:
+    return hasattr(client, "get_node_from_key") and hasattr(client, "nodes_manager")
+
+
+def _check(operation: str, results: list[Any], wanted: int, timeout_ms: int) -> Any:
+    reply, acked = results[-2], results[-1]
+    for item in (reply, acked):
+        if isinstance(item, BaseException):
+            raise item
+    if int(acked) < wanted:
+        raise NotReplicated(operation, wanted, int(acked), timeout_ms)
+    return reply
+
+
+def _pipelined(client: Any, script: Script, call: ScriptCall, wanted: int, timeout_ms: int, asking: bool) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    if asking:
+        pipe.execute_command("ASKING")
+    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+    pipe.execute_command("WAIT", wanted, timeout_ms)
+    results: list[Any] = pipe.execute(raise_on_error=False)
+    return results
+
+
+def run_and_wait(client: Any, script: Script, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
+    """One script run followed by ``WAIT`` on the same connection; see the module docstring."""
+    if not _is_cluster(client):
+        return _run_on(client, script, call, operation, wanted, timeout_ms, asking=False)
+    node = client.get_node_from_key(call.keys[0])
+    try:
+        return _run_on(node.redis_connection, script, call, operation, wanted, timeout_ms, asking=False)
+    except AskError as exc:
+        target = client.get_node(host=exc.host, port=exc.port) or node
+        return _run_on(target.redis_connection, script, call, operation, wanted, timeout_ms, asking=True)
+    except MovedError as exc:
+        client.nodes_manager.initialize()
+        raise SlotMoved(f"{operation}: slot moved to {exc.host}:{exc.port}") from exc
+    except (ConnectionError, TimeoutError, OSError):
+        client.nodes_manager.initialize()
+        raise
+
+
+def _run_on(
+    client: Any, script: Script, call: ScriptCall, operation: str, wanted: int, timeout_ms: int, asking: bool
+) -> Any:
+    results = _pipelined(client, script, call, wanted, timeout_ms, asking)
+    if isinstance(results[-2], NoScriptError):
+        client.script_load(script.text)
+        results = _pipelined(client, script, call, wanted, timeout_ms, asking)
+    return _check(operation, results, wanted, timeout_ms)
+
+
+async def async_run_and_wait(
+    client: Any, script: Script, call: ScriptCall, operation: str, wanted: int, timeout_ms: int
+) -> Any:
+    """:func:`run_and_wait` for redis.asyncio (single server or Sentinel)."""
+    if _is_cluster(client):
+        raise NotImplementedError("wait_replicas on an asyncio Redis Cluster client")
+    results = await _async_pipelined(client, script, call, wanted, timeout_ms)
+    if isinstance(results[-2], NoScriptError):
+        await client.script_load(script.text)
+        results = await _async_pipelined(client, script, call, wanted, timeout_ms)
+    return _check(operation, results, wanted, timeout_ms)
+
+
+async def _async_pipelined(client: Any, script: Script, call: ScriptCall, wanted: int, timeout_ms: int) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+    pipe.execute_command("WAIT", wanted, timeout_ms)
+    results: list[Any] = await pipe.execute(raise_on_error=False)
+    return results
