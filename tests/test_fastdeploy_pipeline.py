@@ -66,10 +66,15 @@ class Rig:
             assert [d - DEST_BLOCK_BASE for d in write.dest_blocks] == list(write.src_blocks)
 
 
-def make_rig(url: str, namespace: str, bridge_type: type[Layer0Bridge] = Layer0Bridge) -> Iterator[Rig]:
+def make_rig(
+    url: str, namespace: str, bridge_type: type[Layer0Bridge] = Layer0Bridge, gpu: ScriptedGpu | None = None
+) -> Iterator[Rig]:
+    """A messager on its own client; ``gpu`` keeps an engine that outlives an earlier one."""
     buffer = SignalBuffer.from_url(url, namespace=namespace, env={})
     messager = ReferenceMessager(bridge_type(buffer, "p0", 0, num_layers=LAYERS), RecordingTransport())
-    gpu = ScriptedGpu(messager.signals, LAYERS)
+    if gpu is None:
+        gpu = ScriptedGpu(messager.signals, LAYERS)
+    gpu.signals = messager.signals
     messager.transport.gpu = gpu
     with messager:
         yield Rig(buffer, messager, gpu)
@@ -251,3 +256,21 @@ def wait_for(condition: Callable[[], bool], timeout: float = WAIT_S) -> bool:
             return False
         time.sleep(0.002)
     return True
+
+
+def test_early_signal_survives_a_restart_of_the_messager(url: str, namespace: str) -> None:
+    """The early signal lives in Redis, not in the messager: a messager that stops after
+    buffering it and a new one (new client, new threads) still send the request in full.
+    FastDeploy's in-process dict loses it here."""
+    request = PrefillRequest("req-1", 5, 300)
+    for first in make_rig(url, namespace):
+        first.gpu.forward([(request, 0, 300)], layers=[0])
+        assert first.messager.wait_drained(WAIT_S)
+        assert first.pending_layer0(5) == [300]
+    for second in make_rig(url, namespace, gpu=first.gpu):  # the engine keeps running
+        second.gpu.forward([(request, 0, 300)], layers=range(1, LAYERS))
+        assert second.messager.wait_drained(WAIT_S)
+        second.add_task(request)
+        assert second.messager.wait_finished(["req-1"], WAIT_S) == {"req-1"}
+        assert second.transport.block_writes() == expected_writes([request])
+        second.assert_clean()

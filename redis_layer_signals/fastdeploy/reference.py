@@ -236,6 +236,7 @@ class ReferenceMessager:
             except Exception as exc:
                 logger.exception("%s failed", loop.__name__)
                 self.errors.append(exc)
+                self._stop.wait(POLL_S)  # no busy loop while Redis is away
 
     def _consume_signals(self) -> None:
         try:
