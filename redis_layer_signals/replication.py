@@ -71,12 +71,15 @@ def run_and_wait(client: Any, script: Script, call: ScriptCall, operation: str, 
     node = client.get_node_from_key(call.keys[0])
     try:
         return _run_on(node.redis_connection, script, call, operation, wanted, timeout_ms, asking=False)
-    except AskError as exc:
-        target = client.get_node(host=exc.host, port=exc.port) or node
-        return _run_on(target.redis_connection, script, call, operation, wanted, timeout_ms, asking=True)
-    except MovedError as exc:
+    except MovedError as exc:  # before AskError, its base class
         client.nodes_manager.initialize()
         raise SlotMoved(f"{operation}: slot moved to {exc.host}:{exc.port}") from exc
+    except AskError as exc:
+        target = client.get_node(host=exc.host, port=exc.port)
+        if target is None:
+            client.nodes_manager.initialize()
+            raise SlotMoved(f"{operation}: slot migrating to unknown node {exc.host}:{exc.port}") from exc
+        return _run_on(target.redis_connection, script, call, operation, wanted, timeout_ms, asking=True)
     except (ConnectionError, TimeoutError, OSError):
         client.nodes_manager.initialize()
         raise

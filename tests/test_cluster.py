@@ -1,0 +1,217 @@
+"""Redis Cluster: keys spread over every primary while each call stays on one slot; the race
+test on three primaries; a primary killed and its replica promoted, and a slot migrated
+(MOVED/ASK/TRYAGAIN), both while calls run, with every signal accounted for exactly once.
+
+The behaviour suite itself runs here too: ``cluster`` is a backend of the ``buf`` fixture."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from redis.cluster import key_slot
+
+from redis_layer_signals import CacheTask, SignalBuffer, SlotOccupied
+from redis_layer_signals.keys import KeySpace
+from tests.race import LAYERS, SLOTS, Log
+from tests.servers import RedisServer, wait_until
+from tests.test_race import assert_every_signal_accounted_once, run_race
+from tests.topology import ClusterTopology
+
+JOIN_BOUND_S = 60.0
+"""Bound on a worker thread across a fault: only catches a hang, never times a call."""
+
+
+def churn(buf: SignalBuffer, worker: int, stop: threading.Event, seed: int, minimum: int = 40) -> Log:
+    """Record, register and finish on the shared slots of p0/0 until told to stop (and at least
+    ``minimum`` operations), logging every outcome: the race test's worker on a given buffer."""
+    rng = random.Random(seed * 1000 + worker)
+    log = Log()
+    mine: dict[int, str] = {}
+    op = 0
+    while op < minimum or not stop.is_set():
+        op += 1
+        choice = rng.random()
+        if choice < 0.55:
+            layer = rng.randrange(LAYERS)
+            entries = [(slot, worker * 1_000_000 + op * SLOTS + slot) for slot in range(SLOTS) if rng.random() < 0.6]
+            if not entries:
+                continue
+            res = buf.record("p0", 0, layer, entries)
+            log.recorded += [(s, layer, t) for s, t in entries]
+            log.delivered += [(s.slot, s.layer, s.tokens) for s in res.delivered]
+            log.buffered += [(s.slot, s.layer, s.tokens) for s in res.buffered]
+        elif choice < 0.8:
+            slot = rng.randrange(SLOTS)
+            request_id = f"w{worker}-{op}"
+            try:
+                rec = buf.register(CacheTask("p0", 0, slot, request_id, need_prefill_tokens=2**40, num_layers=LAYERS))
+            except SlotOccupied:
+                log.occupied += 1
+                continue
+            mine[slot] = request_id
+            log.registered += 1
+            log.recovered += [(s.slot, s.layer, s.tokens) for s in rec.recovered]
+            log.dropped += [(s.slot, s.layer, s.tokens) for s, _ in rec.dropped]
+        else:
+            slot = rng.randrange(SLOTS)
+            log.finish_dropped += buf.finish("p0", 0, slot, mine.pop(slot, f"w{worker}-gone-{op}")).dropped
+    return log
+
+
+def churn_during(url: str, namespace: str, fault: object, workers: int = 3, **options: object) -> list[Log]:
+    """Run ``churn`` threads, apply ``fault()`` while they run, stop them and return their logs."""
+    stop = threading.Event()
+    logs: dict[int, Log] = {}
+    errors: list[BaseException] = []
+
+    def run(worker: int) -> None:
+        buf = SignalBuffer.from_url(url, namespace=namespace, env={}, **options)  # type: ignore[arg-type]
+        try:
+            logs[worker] = churn(buf, worker, stop, seed=3)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            buf.close()
+
+    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(workers)]
+    for thread in threads:
+        thread.start()
+    try:
+        fault()  # type: ignore[operator]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(JOIN_BOUND_S)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    assert errors == []
+    return [logs[w] for w in sorted(logs)]
+
+
+@pytest.fixture
+def replicated(cluster_with_replicas: ClusterTopology) -> Iterator[ClusterTopology]:
+    """The 3+3 cluster, healthy before and after the test (a killed node is back as a replica)."""
+    wait_until(cluster_with_replicas.healthy, timeout=30, what="cluster healthy")
+    yield cluster_with_replicas
+    for node in cluster_with_replicas.nodes:
+        if node.process is None or node.process.poll() is not None:
+            node.start()
+    wait_until(cluster_with_replicas.healthy, timeout=30, what="cluster healthy again")
+
+
+def test_keys_of_instances_and_ranks_spread_over_all_three_primaries(cluster: ClusterTopology, namespace: str) -> None:
+    buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+    owners = [(f"p{i}", rank) for i in range(6) for rank in range(4)]
+    for instance, rank in owners:
+        buf.record(instance, rank, 0, [(1, 10)])
+    holders: dict[int, set[str]] = {}
+    for node in cluster.primary_nodes():
+        client = node.client()
+        holders[node.port] = {k.decode() for k in client.scan_iter(match=f"rls:{{{namespace}/*", count=1000)}
+        client.close()
+    assert all(holders.values()), f"a primary holds none of the keys: { {p: len(k) for p, k in holders.items()} }"
+    keys = KeySpace(namespace)
+    for instance, rank in owners:
+        rank_keys = keys.rank(instance, rank)
+        on = [port for port, held in holders.items() if rank_keys.pending in held]
+        assert len(on) == 1 and rank_keys.stats in holders[on[0]]
+    buf.close()
+
+
+def test_every_script_call_touches_one_slot(cluster: ClusterTopology, namespace: str) -> None:
+    buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+    seen: list[set[int]] = []
+    real = buf.client.evalsha
+
+    def spy(sha: str, numkeys: int, *keys_and_args: str) -> object:
+        seen.append({key_slot(k.encode()) for k in keys_and_args[:numkeys]})
+        return real(sha, numkeys, *keys_and_args)
+
+    buf.client.evalsha = spy
+    for rank in range(3):
+        buf.record("p0", rank, 0, [(5, 10), (6, 20)])
+        buf.register(CacheTask("p0", rank, 5, "r", 100, 4))
+        buf.finish("p0", rank, 5, "r")
+    buf.stats()  # sweeps every rank
+    assert len(seen) >= 10 and all(len(slots) == 1 for slots in seen)
+    assert len(set().union(*seen)) == 3  # three ranks, three tags, three slots
+    buf.close()
+
+
+def test_eight_processes_racing_on_the_cluster_account_for_every_signal_once(cluster: ClusterTopology) -> None:
+    logs, buf = run_race(cluster.url, seed=5)
+    assert sum(log.registered for log in logs) > 0 and sum(len(log.delivered) for log in logs) > 0
+    assert_every_signal_accounted_once(logs, buf)
+    buf.close()
+
+
+def test_killed_primary_replaced_by_its_replica_while_calls_run_loses_and_repeats_nothing(
+    replicated: ClusterTopology,
+) -> None:
+    namespace = f"failover-{uuid.uuid4().hex[:8]}"
+    tag_key = KeySpace(namespace).rank("p0", 0).pending
+    victim: RedisServer = replicated.node_for_key(tag_key)
+
+    def fault() -> None:
+        wait_until(lambda: True, timeout=1)
+        victim.kill()
+        wait_until(lambda: replicated.node_for_key(tag_key).port != victim.port, timeout=30, what="replica promoted")
+        victim.start()  # back as a replica of the promoted node, so WAIT can be satisfied again
+        wait_until(replicated.healthy, timeout=30, what="cluster healthy")
+
+    # wait_replicas=1: a call is acknowledged only once the replica has it, so the promoted
+    # replica holds every acknowledged signal (without it, the last writes could be lost).
+    logs = churn_during(replicated.url, namespace, fault, retry_s=20, wait_replicas=1, wait_timeout_ms=500)
+    assert replicated.node_for_key(tag_key).port != victim.port
+    buf = SignalBuffer.from_url(replicated.url, namespace=namespace, env={})
+    assert_every_signal_accounted_once(logs, buf)
+    buf.close()
+
+
+def _migrate_slot(topology: ClusterTopology, key: str) -> None:
+    """Move ``key``'s slot to another primary the way redis-cli does: IMPORTING/MIGRATING,
+    MIGRATE the keys in small batches, then SETSLOT NODE everywhere."""
+    source = topology.node_for_key(key)
+    target = next(n for n in topology.primary_nodes() if n.port != source.port)
+    src, dst = source.client(), target.client()
+    try:
+        slot = key_slot(key.encode())
+        src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+        src_id = src_id.decode() if isinstance(src_id, bytes) else src_id
+        dst_id = dst_id.decode() if isinstance(dst_id, bytes) else dst_id
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while True:
+            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 2)
+            if not keys:
+                break
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+        for node in topology.primary_nodes():
+            client = node.client()
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            client.close()
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_slot_migrated_while_calls_run_is_followed_and_nothing_is_delivered_twice(
+    replicated: ClusterTopology,
+) -> None:
+    namespace = f"migrate-{uuid.uuid4().hex[:8]}"
+    tag_key = KeySpace(namespace).rank("p0", 0).pending
+    before = replicated.node_for_key(tag_key).port
+
+    def fault() -> None:
+        wait_until(lambda: True, timeout=1)
+        _migrate_slot(replicated, tag_key)
+        wait_until(lambda: replicated.node_for_key(tag_key).port != before, timeout=10, what="slot moved")
+        _migrate_slot(replicated, tag_key)  # and on again, so calls see both directions
+
+    logs = churn_during(replicated.url, namespace, fault, retry_s=10)
+    buf = SignalBuffer.from_url(replicated.url, namespace=namespace, env={})
+    assert_every_signal_accounted_once(logs, buf)
+    buf.close()
