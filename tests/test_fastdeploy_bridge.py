@@ -24,7 +24,7 @@ def kv(layer: int, *entries: tuple[int, int, int]) -> Any:
     return values
 
 
-def cache_info(slot: int = 5, request_id: str = "req-1", need: int = 300, **extra: Any) -> dict[str, Any]:
+def cache_info(slot: Any = 5, request_id: str = "req-1", need: int = 300, **extra: Any) -> dict[str, Any]:
     blocks = -(-need // 64)
     info: dict[str, Any] = {
         "request_id": request_id,
