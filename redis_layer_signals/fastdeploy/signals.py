@@ -65,7 +65,8 @@ def decode_kv_signal(kv_signal_data: Any) -> KvSignal | None:
     rows = values[KV_SIGNAL_HEADER:needed].reshape(count, KV_SIGNAL_ENTRY_WIDTH).astype(np.int64)
     slots, offsets, lengths = rows[:, 0], rows[:, 1], rows[:, 2]
     if rows.min(initial=0) < 0 or slots.max(initial=0) >= KV_SIGNAL_MAX_TASKS:
-        _check_column(slots, (slots < 0) | (slots >= KV_SIGNAL_MAX_TASKS), "engine_idx", f"in [0, {KV_SIGNAL_MAX_TASKS})")
+        bad_slots = (slots < 0) | (slots >= KV_SIGNAL_MAX_TASKS)
+        _check_column(slots, bad_slots, "engine_idx", f"in [0, {KV_SIGNAL_MAX_TASKS})")
         _check_column(offsets, offsets < 0, "chunk_token_offset", ">= 0")
         _check_column(lengths, lengths < 0, "current_seq_len", ">= 0")
     return KvSignal(layer, tuple(zip(slots.tolist(), (offsets + lengths).tolist(), strict=True)))
