@@ -3,6 +3,7 @@ malformed buffer, each refused with InvalidSignal naming the field."""
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -66,8 +67,7 @@ def test_prefilled_tokens_past_int32_do_not_wrap(wrap: Callable[[Any], Any]) -> 
 
 
 def test_scripted_gpu_tensor_is_a_cpu_int32_paddle_tensor_that_round_trips() -> None:
-    gpu = ScriptedGpu.__new__(ScriptedGpu)  # only signal_tensor is used: no queue, no GPU state
-    gpu.paddle = paddle
+    gpu = ScriptedGpu(queue.Queue(), num_layers=1)
     tensor = gpu.signal_tensor(4, [(3, 128, 64), (8, 0, 17)])
     assert isinstance(tensor, paddle.Tensor) and tensor.dtype == paddle.int32
     assert tensor.shape == [KV_SIGNAL_LENGTH] and tensor.place.is_cpu_place()

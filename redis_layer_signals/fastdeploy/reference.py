@@ -54,7 +54,7 @@ class Bridge(Protocol):
     def on_task_finished(self, current_id: int, request_id: str) -> FinishResult: ...
 
 
-class Queue(Protocol):
+class QueueLike(Protocol):
     """Either a ``queue.Queue`` or a ``multiprocessing`` queue."""
 
     def put(self, item: Any) -> None: ...
@@ -129,7 +129,7 @@ class Progress:
 class CacheTaskAdder:
     """Merges the two halves of each ``cache_info`` and registers the task once both are in."""
 
-    def __init__(self, bridge: Bridge, ready: Queue) -> None:
+    def __init__(self, bridge: Bridge, ready: QueueLike) -> None:
         self.bridge = bridge
         self.ready = ready
         self._halves: dict[str, dict[str, Any]] = {}
@@ -170,14 +170,14 @@ class ReferenceMessager:
         bridge: Bridge,
         transport: RecordingTransport,
         *,
-        ready: Queue | None = None,
+        ready: QueueLike | None = None,
         with_adder: bool = True,
     ) -> None:
         self.bridge = bridge
         self.transport = transport
         self.signals: queue.Queue[Any] = queue.Queue()
         self.cache_infos: queue.Queue[Mapping[str, Any]] = queue.Queue()
-        self.ready: Queue = ready if ready is not None else queue.Queue()
+        self.ready: QueueLike = ready if ready is not None else queue.Queue()
         self.finished: queue.Queue[str] = queue.Queue()
         self.progress = Progress()
         self.errors: list[BaseException] = []
@@ -307,9 +307,9 @@ def run_adder_process(
     rank: int,
     num_layers: int,
     block_size: int,
-    inbox: Queue,
-    ready: Queue,
-    registered: Queue | None = None,
+    inbox: QueueLike,
+    ready: QueueLike,
+    registered: QueueLike | None = None,
 ) -> None:
     """The cache-task adder on its own, for a ``multiprocessing`` child sharing only Redis.
 
