@@ -19,6 +19,8 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     rx.MasterDownError,
     rx.ReadOnlyError,  # Sentinel: the old primary became a replica
     rx.SlotNotCoveredError,
+    rx.ClusterError,  # Cluster: redirections (TRYAGAIN during a migration) exhausted for now
+    rx.NoScriptError,  # a SCRIPT FLUSH between the reload and the resend: the script never ran
     OSError,
     NotReplicated,  # wait_replicas: resend; the script replays its reply and WAIT runs again
     SlotMoved,

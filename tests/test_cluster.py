@@ -6,89 +6,19 @@ The behaviour suite itself runs here too: ``cluster`` is a backend of the ``buf`
 
 from __future__ import annotations
 
-import random
-import threading
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from redis.cluster import key_slot
 
-from redis_layer_signals import CacheTask, SignalBuffer, SlotOccupied
+from redis_layer_signals import CacheTask, SignalBuffer
 from redis_layer_signals.keys import KeySpace
-from tests.race import LAYERS, SLOTS, Log
+from tests.churn import churn_during
 from tests.servers import RedisServer, wait_until
 from tests.test_race import assert_every_signal_accounted_once, run_race
 from tests.topology import ClusterTopology
-
-JOIN_BOUND_S = 60.0
-"""Bound on a worker thread across a fault: only catches a hang, never times a call."""
-
-
-def churn(buf: SignalBuffer, worker: int, stop: threading.Event, seed: int, minimum: int = 40) -> Log:
-    """Record, register and finish on the shared slots of p0/0 until told to stop (and at least
-    ``minimum`` operations), logging every outcome: the race test's worker on a given buffer."""
-    rng = random.Random(seed * 1000 + worker)
-    log = Log()
-    mine: dict[int, str] = {}
-    op = 0
-    while op < minimum or not stop.is_set():
-        op += 1
-        choice = rng.random()
-        if choice < 0.55:
-            layer = rng.randrange(LAYERS)
-            entries = [(slot, worker * 1_000_000 + op * SLOTS + slot) for slot in range(SLOTS) if rng.random() < 0.6]
-            if not entries:
-                continue
-            res = buf.record("p0", 0, layer, entries)
-            log.recorded += [(s, layer, t) for s, t in entries]
-            log.delivered += [(s.slot, s.layer, s.tokens) for s in res.delivered]
-            log.buffered += [(s.slot, s.layer, s.tokens) for s in res.buffered]
-        elif choice < 0.8:
-            slot = rng.randrange(SLOTS)
-            request_id = f"w{worker}-{op}"
-            try:
-                rec = buf.register(CacheTask("p0", 0, slot, request_id, need_prefill_tokens=2**40, num_layers=LAYERS))
-            except SlotOccupied:
-                log.occupied += 1
-                continue
-            mine[slot] = request_id
-            log.registered += 1
-            log.recovered += [(s.slot, s.layer, s.tokens) for s in rec.recovered]
-            log.dropped += [(s.slot, s.layer, s.tokens) for s, _ in rec.dropped]
-        else:
-            slot = rng.randrange(SLOTS)
-            log.finish_dropped += buf.finish("p0", 0, slot, mine.pop(slot, f"w{worker}-gone-{op}")).dropped
-    return log
-
-
-def churn_during(url: str, namespace: str, fault: object, workers: int = 3, **options: object) -> list[Log]:
-    """Run ``churn`` threads, apply ``fault()`` while they run, stop them and return their logs."""
-    stop = threading.Event()
-    logs: dict[int, Log] = {}
-    errors: list[BaseException] = []
-
-    def run(worker: int) -> None:
-        buf = SignalBuffer.from_url(url, namespace=namespace, env={}, **options)  # type: ignore[arg-type]
-        try:
-            logs[worker] = churn(buf, worker, stop, seed=3)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            buf.close()
-
-    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(workers)]
-    for thread in threads:
-        thread.start()
-    try:
-        fault()  # type: ignore[operator]
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(JOIN_BOUND_S)
-    assert not any(t.is_alive() for t in threads), "a worker hung"
-    assert errors == []
-    return [logs[w] for w in sorted(logs)]
 
 
 @pytest.fixture
@@ -156,7 +86,7 @@ def test_killed_primary_replaced_by_its_replica_while_calls_run_loses_and_repeat
     victim: RedisServer = replicated.node_for_key(tag_key)
 
     def fault() -> None:
-        wait_until(lambda: True, timeout=1)
+        time.sleep(1)  # let the calls get going first
         victim.kill()
         wait_until(lambda: replicated.node_for_key(tag_key).port != victim.port, timeout=30, what="replica promoted")
         victim.start()  # back as a replica of the promoted node, so WAIT can be satisfied again
@@ -206,7 +136,7 @@ def test_slot_migrated_while_calls_run_is_followed_and_nothing_is_delivered_twic
     before = replicated.node_for_key(tag_key).port
 
     def fault() -> None:
-        wait_until(lambda: True, timeout=1)
+        time.sleep(1)  # let the calls get going first
         _migrate_slot(replicated, tag_key)
         wait_until(lambda: replicated.node_for_key(tag_key).port != before, timeout=10, what="slot moved")
         _migrate_slot(replicated, tag_key)  # and on again, so calls see both directions
