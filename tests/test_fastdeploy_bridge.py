@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from redis_layer_signals import InvalidConfig, InvalidSignal, InvalidTask, SignalBuffer
+from redis_layer_signals import BufferUnavailable, InvalidConfig, InvalidSignal, InvalidTask, SignalBuffer
 from redis_layer_signals.fastdeploy import KV_SIGNAL_LENGTH, KvSignal, Layer0Bridge
 from redis_layer_signals.fastdeploy.bridge import block_ids
+from tests.servers import running
 
 LAYERS = 4
 
@@ -182,3 +183,29 @@ def test_bad_bridge_option_raises_invalid_config(buf: SignalBuffer, option: str,
     with pytest.raises(InvalidConfig) as caught:
         Layer0Bridge(buf, "p0", 0, **options)
     assert caught.value.field == option
+
+
+def test_ranks_and_instances_do_not_share_slots(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
+    """Slot 5 of rank 0 and slot 5 of rank 1 (or of another instance) are different slots."""
+    rank1 = Layer0Bridge(buf, "p0", 1, num_layers=LAYERS)
+    other = Layer0Bridge(buf, "p1", 0, num_layers=LAYERS)
+    bridge.on_kv_signal(kv(0, (5, 0, 128)))
+    assert rank1.on_cache_task(cache_info(slot=5, request_id="req-r1")) == []
+    assert other.on_cache_task(cache_info(slot=5, request_id="req-p1")) == []
+    assert bridge.on_cache_task(cache_info(slot=5)) == [(5, 128)]
+
+
+def test_hooks_raise_buffer_unavailable_when_redis_is_gone() -> None:
+    """With Redis down past ``retry_s`` the hook raises (wrapping the cause) instead of
+    pretending the signal was handled: the caller sees the failure."""
+    with running() as server:
+        buffer = SignalBuffer.from_url(server.url, namespace="gone", retry_s=0.3, env={})
+        bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS)
+        assert bridge.on_kv_signal(kv(0, (5, 0, 128))) == []
+        server.kill()
+        with pytest.raises(BufferUnavailable) as caught:
+            bridge.on_kv_signal(kv(0, (6, 0, 128)))
+        assert caught.value.__cause__ is not None
+        with pytest.raises(BufferUnavailable):
+            bridge.on_cache_task(cache_info(slot=5))
+        buffer.close()
