@@ -109,7 +109,7 @@ def ranges_per_layer(transport: RecordingTransport, request: PrefillRequest) -> 
 
 
 @pytest.mark.parametrize(("bridge_type", "sends"), [(Layer0Bridge, True), (UnbufferedBridge, False)])
-def test_early_layer0_signal_is_sent_only_with_the_buffer(
+def test_layer0_signal_before_cache_task_no_longer_hangs_the_request(
     url: str, namespace: str, bridge_type: type[Layer0Bridge], sends: bool
 ) -> None:
     """The seed bug: the GPU's only layer-0 signal comes before the cache task. With the bridge
