@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -343,3 +344,83 @@ class SentinelTopology:
             sentinel.cleanup()
         for server in self.servers:
             server.cleanup()
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_certificates(directory: Path) -> TlsFiles:
+    """Make the CA and the two certificates with openssl (EC keys: fast to generate)."""
+    openssl = require_binary("openssl")
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-new", *key, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=rls-test-ca")
+    for name, extensions in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ):
+        (directory / f"{name}.ext").write_text(extensions)
+        run("req", "-new", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=rls-{name}")
+        run(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext",
+        )  # fmt: skip
+    return TlsFiles(
+        ca=directory / "ca.crt",
+        server_cert=directory / "server.crt",
+        server_key=directory / "server.key",
+        client_cert=directory / "client.crt",
+        client_key=directory / "client.key",
+    )
+
+
+class TlsRedisServer(RedisServer):
+    """A redis-server that only speaks TLS and requires a client certificate signed by the CA."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        port = free_port()
+        super().__init__(
+            [
+                "--port", "0",
+                "--tls-port", str(port),
+                "--tls-cert-file", str(files.server_cert),
+                "--tls-key-file", str(files.server_key),
+                "--tls-ca-cert-file", str(files.ca),
+                "--tls-auth-clients", "yes",
+            ],
+            port=port,
+        )  # fmt: skip
+        self.files = files
+
+    def tls_query(self, client_cert: bool = True) -> str:
+        query = f"ssl_ca_certs={self.files.ca}&ssl_cert_reqs=required"
+        if client_cert:
+            query += f"&ssl_certfile={self.files.client_cert}&ssl_keyfile={self.files.client_key}"
+        return query
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0?{self.tls_query()}"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(  # type: ignore[arg-type]
+            host="127.0.0.1",
+            port=self.port,
+            socket_timeout=5,
+            ssl=True,
+            ssl_ca_certs=str(self.files.ca),
+            ssl_certfile=str(self.files.client_cert),
+            ssl_keyfile=str(self.files.client_key),
+            **kwargs,
+        )

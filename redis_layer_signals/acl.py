@@ -1,0 +1,65 @@
+"""The least-privilege Redis ACL for the library's user, in one place so the docs, the tests and
+an operator's ``ACL SETUSER`` agree.
+
+Redis checks a script's commands against the calling user too, so the user needs the commands
+the Lua scripts call as well as the ones the client sends. Keys are limited to ``rls:*``, or to
+one namespace's keys (``rls:{<namespace>/*``, the hash tag's opening): a user of namespace A
+can then neither read nor write namespace B. ``SCAN`` is not key-checked, so such a user can
+still see the names (not the contents) of other keys.
+"""
+
+from __future__ import annotations
+
+from . import validation
+from .constants import KEY_PREFIX
+from .errors import InvalidConfig
+
+SCRIPT_COMMANDS = (
+    "get",
+    "set",
+    "del",
+    "hget",
+    "hset",
+    "hdel",
+    "hexists",
+    "hlen",
+    "hmget",
+    "hincrby",
+    "zadd",
+    "zrem",
+    "zrangebyscore",
+    "pexpire",
+    "pttl",
+    "time",
+)
+"""Every command ``lua/*.lua`` calls (a test keeps this list in step with the scripts)."""
+
+CLIENT_COMMANDS = (
+    "evalsha",
+    "script|load",  # after NOSCRIPT (restart, failover, SCRIPT FLUSH)
+    "hget",
+    "hgetall",
+    "scan",
+    "time",
+    "ping",
+    "wait",  # only with wait_replicas
+)
+"""Commands the buffers send themselves. redis-py also sends ``CLIENT SETINFO`` on connect
+(Redis 7.2+) and ignores a refusal, so it is left out."""
+
+CLUSTER_COMMANDS = ("cluster|slots", "cluster|shards", "cluster|nodes", "command", "readonly", "asking")
+"""What a Redis Cluster client needs to learn the slot map and follow ASK redirections."""
+
+
+def key_pattern(namespace: str | None = None) -> str:
+    """``rls:*``, or the keys of one namespace: every key of it starts ``rls:{<namespace>/``."""
+    if namespace is None:
+        return f"{KEY_PREFIX}:*"
+    validation.identifier(namespace, "namespace", InvalidConfig)
+    return f"{KEY_PREFIX}:{{{namespace}/*"
+
+
+def rules(namespace: str | None = None, cluster: bool = False) -> list[str]:
+    """ACL rules for ``ACL SETUSER <user> on ><password> <rules...>`` (password not included)."""
+    commands = dict.fromkeys((*CLIENT_COMMANDS, *SCRIPT_COMMANDS, *(CLUSTER_COMMANDS if cluster else ())))
+    return ["resetkeys", f"~{key_pattern(namespace)}", "resetchannels", "-@all", *(f"+{c}" for c in commands)]
