@@ -1,0 +1,115 @@
+"""What ``wait_replicas`` costs: record and register latency with and without WAIT.
+
+Starts its own primary and replica (free ports, temp dirs, never the machine's 6379), with
+persistence off or AOF ``appendfsync always``, and prints a Markdown table of p50/p99 latency
+and calls per second for each case. Usage::
+
+    .venv/bin/python benchmarks/wait_cost.py [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+from redis_layer_signals import CacheTask, SignalBuffer
+
+AOF_ALWAYS = ["--appendonly", "yes", "--appendfsync", "always"]
+NO_PERSISTENCE = ["--appendonly", "no"]
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _server(extra: list[str]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    port, directory = _free_port(), tempfile.mkdtemp(prefix="rls-wait-bench-")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed")
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", ""]
+    command += ["--logfile", str(Path(directory) / "redis.log"), "--repl-diskless-sync-delay", "0", *extra]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, socket_timeout=1)
+        for _ in range(300):
+            with contextlib.suppress(redis.ConnectionError):
+                if client.ping():
+                    break
+            time.sleep(0.02)
+        client.close()
+        yield port, process
+    finally:
+        process.kill()
+        process.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def primary_with_replica(persistence: list[str]) -> Iterator[str]:
+    with (
+        _server(persistence) as (primary, _),
+        _server([*persistence, "--replicaof", "127.0.0.1", str(primary)]) as (
+            replica,
+            _,
+        ),
+    ):
+        client = redis.Redis(port=replica)
+        for _ in range(500):
+            if client.info("replication").get("master_link_status") == "up":
+                break
+            time.sleep(0.02)
+        client.close()
+        yield f"redis://127.0.0.1:{primary}/0"
+
+
+def measure(url: str, wait_replicas: int, operation: str, batch: int, calls: int) -> tuple[float, float, float]:
+    """(p50 µs, p99 µs, calls/s) of ``calls`` sequential calls."""
+    buf = SignalBuffer.from_url(url, namespace=f"bench-{uuid.uuid4().hex[:6]}", env={}, wait_replicas=wait_replicas)
+    samples = []
+    for i in range(calls):
+        slot = i % 512
+        started = time.perf_counter_ns()
+        if operation == "record":
+            buf.record("p0", 0, i % 61, [((slot + j) % 512, 100) for j in range(batch)])
+        else:
+            buf.register(CacheTask("p0", 0, slot, f"r{i}", 4096, 61), replace=True)
+        samples.append(time.perf_counter_ns() - started)
+    buf.close()
+    samples.sort()
+    total_s = sum(samples) / 1e9
+    return samples[len(samples) // 2] / 1000, samples[int(len(samples) * 0.99)] / 1000, calls / total_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    print("| persistence | operation | wait_replicas | p50 µs | p99 µs | calls/s |")
+    print("|---|---|---|---|---|---|")
+    for label, persistence in (("none", NO_PERSISTENCE), ("AOF always", AOF_ALWAYS)):
+        with primary_with_replica(persistence) as url:
+            for operation, batch in (("record", 1), ("record", 64), ("register", 1)):
+                for wait in (0, 1):
+                    measure(url, wait, operation, batch, max(50, args.calls // 10))  # warm up, load scripts
+                    p50, p99, rate = measure(url, wait, operation, batch, args.calls)
+                    name = f"{operation} x{batch}" if operation == "record" else operation
+                    print(f"| {label} | {name} | {wait} | {p50:.0f} | {p99:.0f} | {rate:.0f} |")
+    print(f"\n{args.calls} sequential calls per case on one client, primary and replica on this machine.")
+
+
+if __name__ == "__main__":
+    main()
