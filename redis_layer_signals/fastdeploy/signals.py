@@ -43,8 +43,8 @@ class KvSignal:
 def decode_kv_signal(kv_signal_data: Any) -> KvSignal | None:
     """Turn a ``kv_signal_data`` tensor or array into a :class:`KvSignal`; None if it is empty.
 
-    ``prefilled_tokens`` is ``chunk_token_offset + current_seq_len``, computed in Python ints so
-    it cannot wrap. Anything malformed raises :class:`InvalidSignal` naming the field.
+    ``prefilled_tokens`` is ``chunk_token_offset + current_seq_len``, summed in 64 bits so it
+    cannot wrap. Anything malformed raises :class:`InvalidSignal` naming the field.
     """
     values = _as_int32_vector(kv_signal_data)
     if values.shape[0] < KV_SIGNAL_HEADER:
