@@ -31,7 +31,7 @@ servers:
 	fi
 
 demo: $(STAMP)
-	$(BIN)/python -m redis_layer_signals.demo
+	$(BIN)/python -m redis_layer_signals simulate
 
 lint: $(STAMP)
 	$(BIN)/ruff check redis_layer_signals tests benchmarks

@@ -1,0 +1,125 @@
+"""Operator reads and cleanup: what ``rls inspect`` shows and what ``rls purge`` removes.
+
+Reads go straight to the namespace's hashes (one HGETALL per rank and kind) and never write;
+purge walks the namespace with SCAN (never KEYS, never FLUSHDB) so other namespaces and the
+rest of the database are untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .buffer import SignalBuffer
+from .keys import KeySpace
+
+PURGE_BATCH = 500
+"""Keys removed per UNLINK: bounds one command's work on the server."""
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    instance: str
+    rank: int
+    slot: int
+    request_id: str
+    need_prefill_tokens: int | None
+    num_layers: int | None
+    lease_left_ms: int
+
+
+@dataclass(frozen=True)
+class PendingRow:
+    instance: str
+    rank: int
+    slot: int
+    layer: int
+    tokens: int
+    request_id: str | None
+    age_ms: int
+    ttl_ms: int
+
+
+@dataclass
+class Snapshot:
+    namespace: str
+    now_ms: int
+    tasks: list[TaskRow] = field(default_factory=list)
+    pending: list[PendingRow] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def snapshot(
+    buf: SignalBuffer, instance: str | None = None, rank: int | None = None, slot: int | None = None
+) -> Snapshot:
+    """Live tasks and pending signals of the namespace, optionally narrowed to one instance,
+    rank or slot, with their ages and what is left of their TTLs (server time)."""
+    now = buf.now_ms()
+    shot = Snapshot(buf.config.namespace, now)
+    for inst, rk in buf.ranks():
+        if (instance is not None and inst != instance) or (rank is not None and rk != rank):
+            continue
+        keys = buf.protocol.keys.rank(inst, rk)
+        for field_, value in sorted(buf.client.hgetall(keys.live).items()):
+            s = int(_text(field_))
+            if slot is not None and s != slot:
+                continue
+            holder, _, deadline = _text(value).rpartition("|")
+            if int(deadline) <= now:
+                continue  # a lapsed lease is no live task
+            task = buf.task(inst, rk, s)
+            shot.tasks.append(
+                TaskRow(
+                    inst,
+                    rk,
+                    s,
+                    holder,
+                    task.need_prefill_tokens if task else None,
+                    task.num_layers if task else None,
+                    int(deadline) - now,
+                )
+            )
+        for field_, packed in sorted(buf.client.hgetall(keys.pending).items()):
+            s = int(_text(field_))
+            if slot is not None and s != slot:
+                continue
+            shot.pending.extend(_pending_rows(inst, rk, s, _text(packed), now))
+    shot.tasks.sort(key=lambda t: (t.instance, t.rank, t.slot))
+    shot.pending.sort(key=lambda p: (p.instance, p.rank, p.slot, p.layer))
+    return shot
+
+
+def _pending_rows(instance: str, rank: int, slot: int, packed: str, now: int) -> list[PendingRow]:
+    """Records "layer,tokens,request_id,recorded_at_ms,deadline_ms;" (layout in lua/_lib.lua)."""
+    rows = []
+    for record in filter(None, packed.split(";")):
+        layer, tokens, rid, at, deadline = record.split(",")[:5]
+        rows.append(
+            PendingRow(instance, rank, slot, int(layer), int(tokens), rid or None, now - int(at), int(deadline) - now)
+        )
+    return rows
+
+
+def namespace_keys(client: Any, namespace: str) -> list[str]:
+    """Every key of ``namespace`` (SCAN by its prefix, then checked against the key layout)."""
+    space = KeySpace(namespace)
+    found = []
+    for key in client.scan_iter(match=space.pattern(), count=1000):
+        if space.owner(key) is not None:
+            found.append(_text(key))
+    return sorted(found)
+
+
+def purge(client: Any, namespace: str) -> int:
+    """Remove every key of ``namespace``, counters included; returns how many were removed."""
+    keys = namespace_keys(client, namespace)
+    removed = 0
+    for start in range(0, len(keys), PURGE_BATCH):
+        removed += int(client.unlink(*keys[start : start + PURGE_BATCH]))
+    return removed
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

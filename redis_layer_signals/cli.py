@@ -1,0 +1,335 @@
+"""``rls``: the simulation and the operator's commands. Every command takes ``--redis`` and
+``--namespace`` (or ``RLS_REDIS_URL`` / ``RLS_NAMESPACE``). Errors print one line on stderr and
+exit non-zero; a traceback would only hide which URL or argument was wrong."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from redis.exceptions import RedisError
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import admin
+from .buffer import SignalBuffer
+from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
+from .errors import SignalBufferError
+from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
+from .simulate.config import DEFAULT_CHUNK_TOKENS, DEFAULT_EARLY_SHARE, DEFAULT_LAYERS, DEFAULT_REQUESTS
+from .simulate.report import clip, table
+
+EXIT_FAILED = 1
+"""Checks failed, or the command could not run (bad URL, unreachable Redis, bad argument)."""
+EXIT_USAGE = 2
+_PARSER_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+"""The base of the argument parser's own errors (typer ships its parser privately)."""
+
+app = typer.Typer(
+    name="rls",
+    help="Early layer signals buffered in Redis for PD-disaggregated serving: simulate, inspect, operate.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+RedisUrl = Annotated[
+    str, typer.Option("--redis", envvar="RLS_REDIS_URL", help="memory://, redis://, rediss://, unix://, ...")
+]
+Namespace = Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="Namespace of the keys.")]
+JsonPath = Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON to this file.")]
+
+
+def _buffer(url: str, namespace: str) -> SignalBuffer:
+    return SignalBuffer.from_url(url, namespace=namespace)
+
+
+# -- the simulation ----------------------------------------------------------------------------
+
+
+@app.command("simulate")
+def simulate_command(
+    redis: RedisUrl = DEFAULT_URL,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    mode: Annotated[
+        Mode, typer.Option(help="redis: this library; drop: before the fix; local: a per-process dict.")
+    ] = (Mode.REDIS),
+    instances: Annotated[int, typer.Option(min=1, help="Prefill instances.")] = 2,
+    ranks: Annotated[int, typer.Option(min=1, help="Ranks per instance.")] = 2,
+    requests: Annotated[int, typer.Option(min=1, help="Requests per instance x rank.")] = DEFAULT_REQUESTS,
+    layers: Annotated[int, typer.Option(min=1)] = DEFAULT_LAYERS,
+    chunk_tokens: Annotated[int, typer.Option(min=1)] = DEFAULT_CHUNK_TOKENS,
+    max_prompt_tokens: Annotated[int, typer.Option(min=1)] = 4 * DEFAULT_CHUNK_TOKENS,
+    batch: Annotated[int, typer.Option(min=1, max=512, help="Engine slots per rank.")] = 8,
+    early_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Tasks registered after layer 0.")] = (
+        DEFAULT_EARLY_SHARE
+    ),
+    abort_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Requests aborted unregistered.")] = 0.05,
+    max_delay_ms: Annotated[float, typer.Option(min=0.0, help="Longest delay of an early task.")] = 20.0,
+    hang_timeout_s: Annotated[float, typer.Option(min=0.0, help="After prefill, a request is hung.")] = 3.0,
+    timeout_s: Annotated[float, typer.Option(min=0.0, help="Bound of the whole run.")] = 600.0,
+    seed: int = 0,
+    json_path: JsonPath = None,
+) -> None:
+    """A PD deployment in miniature: proves every layer of every chunk is sent exactly once."""
+    config = SimConfig(
+        url=redis,
+        namespace=namespace,
+        mode=mode,
+        instances=instances,
+        ranks=ranks,
+        requests=requests,
+        layers=layers,
+        chunk_tokens=chunk_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        batch=batch,
+        early_share=early_share,
+        abort_share=abort_share,
+        max_delay_ms=max_delay_ms,
+        hang_timeout_s=hang_timeout_s,
+        timeout_s=timeout_s,
+        seed=seed,
+    )
+    summary = run_simulation(config)
+    finish_run(summary, json_path)
+
+
+def run_simulation(config: SimConfig) -> Summary:
+    """``simulate`` with a progress bar; the hook options such as fault injection extend."""
+    total = config.instances * config.ranks * config.requests
+    with _progress() as progress:
+        task = progress.add_task(f"simulate --mode {config.mode.value}", total=total)
+        return simulate(config, lambda n: progress.advance(task, n))
+
+
+def finish_run(summary: Summary, json_path: Path | None) -> None:
+    out.print(table(summary))
+    if summary.mode == Mode.REDIS.value and summary.buffered_early:
+        out.print(
+            f"{summary.buffered_early} signals came before their task and were buffered in Redis; "
+            "before the fix they were dropped and their requests hung (compare: --mode drop)."
+        )
+    if json_path is not None:
+        json_path.write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+    if summary.violations:
+        err.print(f"[red]FAILED[/red]: {len(summary.violations)} violation(s)")
+        for line in clip(summary.violations):
+            err.print(f"  - {line}", markup=False)
+        raise typer.Exit(EXIT_FAILED)
+    out.print("[green]OK[/green]: every layer of every chunk sent exactly once, every slot released, no key left")
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
+    )
+
+
+@app.command("node")
+def node_command(
+    instance: Annotated[str, typer.Option(help="This prefill instance's name.")],
+    redis: RedisUrl = DEFAULT_URL,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    mode: Mode = Mode.REDIS,
+    ranks: Annotated[int, typer.Option(min=1)] = 2,
+    requests: Annotated[int, typer.Option(min=1, help="Requests per rank.")] = DEFAULT_REQUESTS,
+    layers: Annotated[int, typer.Option(min=1)] = DEFAULT_LAYERS,
+    chunk_tokens: Annotated[int, typer.Option(min=1)] = DEFAULT_CHUNK_TOKENS,
+    batch: Annotated[int, typer.Option(min=1, max=512)] = 8,
+    early_share: Annotated[float, typer.Option(min=0.0, max=1.0)] = DEFAULT_EARLY_SHARE,
+    abort_share: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.05,
+    hang_timeout_s: Annotated[float, typer.Option(min=0.0)] = 3.0,
+    timeout_s: Annotated[float, typer.Option(min=0.0)] = 600.0,
+    seed: int = 0,
+    json_path: JsonPath = None,
+) -> None:
+    """One simulated prefill node (its ranks) on a shared Redis; needs `rls registrar` running."""
+    config = SimConfig(
+        url=redis,
+        namespace=namespace,
+        mode=mode,
+        ranks=ranks,
+        requests=requests,
+        layers=layers,
+        chunk_tokens=chunk_tokens,
+        batch=batch,
+        early_share=early_share,
+        abort_share=abort_share,
+        hang_timeout_s=hang_timeout_s,
+        timeout_s=timeout_s,
+        seed=seed,
+    )
+    with _progress() as progress:
+        task = progress.add_task(f"node {instance}", total=ranks * requests)
+        summary = node_summary(config, instance, ranks, lambda n: progress.advance(task, n))
+    finish_run(summary, json_path)
+
+
+@app.command("registrar")
+def registrar_command(
+    redis: RedisUrl = DEFAULT_URL,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    mode: Mode = Mode.REDIS,
+    idle_exit_s: Annotated[float, typer.Option(min=0.0, help="Exit after this long without tasks (0: never).")] = 0.0,
+) -> None:
+    """The registrar of simulated nodes: registers their cache tasks on the shared Redis."""
+    report = run_registrar(SimConfig(url=redis, namespace=namespace, mode=mode), idle_exit_s)
+    out.print(f"registrar: {report.registered} tasks registered")
+
+
+# -- operator commands -------------------------------------------------------------------------
+
+
+@app.command("inspect")
+def inspect_command(
+    redis: RedisUrl = DEFAULT_URL,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    instance: Annotated[str | None, typer.Option(help="Only this instance.")] = None,
+    rank: Annotated[int | None, typer.Option(min=0, help="Only this rank.")] = None,
+    slot: Annotated[int | None, typer.Option(min=0, help="Only this slot.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Live tasks and pending signals, with their ages and remaining TTLs."""
+    with _buffer(redis, namespace) as buf:
+        shot = admin.snapshot(buf, instance, rank, slot)
+    if as_json:
+        out.print_json(json.dumps(shot.to_json()))
+        return
+    tasks = Table(title=f"live tasks in {namespace!r} ({len(shot.tasks)})")
+    for column in ("instance", "rank", "slot", "request", "need tokens", "layers", "lease left ms"):
+        tasks.add_column(column)
+    for t in shot.tasks:
+        tasks.add_row(
+            t.instance,
+            str(t.rank),
+            str(t.slot),
+            t.request_id,
+            str(t.need_prefill_tokens),
+            str(t.num_layers),
+            str(t.lease_left_ms),
+        )
+    pending = Table(title=f"pending early signals in {namespace!r} ({len(shot.pending)})")
+    for column in ("instance", "rank", "slot", "layer", "tokens", "request", "age ms", "ttl ms"):
+        pending.add_column(column)
+    for p in shot.pending:
+        pending.add_row(
+            p.instance,
+            str(p.rank),
+            str(p.slot),
+            str(p.layer),
+            str(p.tokens),
+            p.request_id or "-",
+            str(p.age_ms),
+            str(p.ttl_ms),
+        )
+    out.print(tasks)
+    out.print(pending)
+
+
+@app.command("stats")
+def stats_command(
+    redis: RedisUrl = DEFAULT_URL,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until interrupted.")] = False,
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between refreshes.")] = 1.0,
+    count: Annotated[int, typer.Option(min=0, help="With --watch: stop after this many refreshes (0: never).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """The namespace's counters, summed over its ranks (expired signals swept first)."""
+    with _buffer(redis, namespace) as buf:
+        if as_json:
+            out.print_json(json.dumps(buf.stats()))
+            return
+        if not watch:
+            out.print(_stats_table(namespace, buf.stats()))
+            return
+        shown = 0
+        with Live(_stats_table(namespace, buf.stats()), console=out, auto_refresh=False) as live:
+            shown += 1
+            while count == 0 or shown < count:
+                time.sleep(interval)
+                live.update(_stats_table(namespace, buf.stats()), refresh=True)
+                shown += 1
+
+
+def _stats_table(namespace: str, counters: dict[str, int]) -> Table:
+    result = Table(title=f"counters of {namespace!r}")
+    result.add_column("counter")
+    result.add_column("value", justify="right")
+    for name, value in counters.items():
+        result.add_row(name, str(value))
+    return result
+
+
+@app.command("purge")
+def purge_command(
+    namespace: Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="The namespace to remove.")],
+    redis: RedisUrl = DEFAULT_URL,
+    yes: Annotated[bool, typer.Option("--yes", help="Really delete.")] = False,
+) -> None:
+    """Remove every key of one namespace (SCAN by its prefix; other namespaces untouched)."""
+    with _buffer(redis, namespace) as buf:
+        if not yes:
+            found = len(admin.namespace_keys(buf.client, namespace))
+            err.print(f"refusing to purge namespace {namespace!r} ({found} keys) without --yes", markup=False)
+            raise typer.Exit(EXIT_FAILED)
+        removed = admin.purge(buf.client, namespace)
+    out.print(f"purged {removed} keys of namespace {namespace!r}", markup=False)
+
+
+@app.command("metrics")
+def metrics_command(
+    redis: RedisUrl = DEFAULT_URL,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="HTTP port of /metrics.")] = 9108,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    duration_s: Annotated[float, typer.Option(min=0.0, help="Stop after this long (0: run until interrupted).")] = 0.0,
+) -> None:
+    """Serve the namespace's counters and latency histograms in the Prometheus text format."""
+    from .metrics import BufferMetrics
+
+    metrics = BufferMetrics()
+    with SignalBuffer.from_url(redis, namespace=namespace, observer=metrics.observe) as buf:
+        buf.now_ms()  # fail now, with one line, if Redis is unreachable
+        metrics.track(buf)
+        server = metrics.serve(port, host)
+        err.print(f"serving metrics of {namespace!r} on http://{host}:{server.server_port}/metrics", markup=False)
+        deadline = time.monotonic() + duration_s if duration_s else None
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            server.shutdown()
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``rls``: runs a command, turning every expected failure into one line and an exit code."""
+    command = typer.main.get_command(app)
+    try:
+        code: Any = command.main(args=argv, prog_name="rls", standalone_mode=False)
+    except typer.Abort:
+        _fail("interrupted", 130)
+    except _PARSER_ERROR as exc:
+        _fail(getattr(exc, "format_message", exc.__str__)(), int(getattr(exc, "exit_code", EXIT_USAGE)))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except (SignalBufferError, RedisError, ValueError, OSError) as exc:
+        _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    line = " ".join(str(message).split())
+    print(f"rls: error: {line}", file=sys.stderr)
+    sys.exit(code)

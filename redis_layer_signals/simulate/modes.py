@@ -1,0 +1,193 @@
+"""The three places an early signal can wait, behind one interface so the same simulated
+deployment runs on each: the Redis buffer, the pre-fix drop and FastDeploy's local dict."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ..buffer import SignalBuffer
+from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
+from ..protocol import parse_pending
+from .config import Mode, SimConfig
+
+Slot = tuple[str, int, int]
+
+NO_TASK = "no_task"
+"""Drop reason of the pre-fix behaviour: the slot had no task when the signal came."""
+
+
+class Handoff(Protocol):
+    """record / register / finish as the simulation uses them, plus what the checks read."""
+
+    def record(self, instance: str, rank: int, layer: int, entries: Sequence[tuple[int, int]]) -> RecordResult: ...
+
+    def register(self, task: CacheTask) -> RegisterResult: ...
+
+    def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult: ...
+
+    def learn(self, task: CacheTask) -> None:
+        """This process heard, from another one, that ``task`` registered."""
+
+    def counters(self, instance: str, rank: int) -> dict[str, int]:
+        """Counters only the store knows (superseded, expired, silent drops) for one rank."""
+
+    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
+        """(slots still holding a task, signals still pending) on one rank."""
+
+    def close(self) -> None: ...
+
+
+class RedisHandoff:
+    def __init__(self, config: SimConfig) -> None:
+        self.buffer = SignalBuffer.from_url(config.url, namespace=config.namespace)
+
+    def record(self, instance: str, rank: int, layer: int, entries: Sequence[tuple[int, int]]) -> RecordResult:
+        return self.buffer.record(instance, rank, layer, entries)
+
+    def register(self, task: CacheTask) -> RegisterResult:
+        return self.buffer.register(task)
+
+    def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
+        return self.buffer.finish(instance, rank, slot, request_id)
+
+    def learn(self, task: CacheTask) -> None:
+        """Redis already knows: the registration was written there."""
+
+    def counters(self, instance: str, rank: int) -> dict[str, int]:
+        raw = self.buffer.client.hgetall(self.buffer.protocol.keys.rank(instance, rank).stats)
+        return {_text(k): int(v) for k, v in raw.items()}
+
+    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
+        keys = self.buffer.protocol.keys.rank(instance, rank)
+        live = [int(_text(s)) for s in self.buffer.client.hkeys(keys.live) if _text(s).isdigit()]
+        pending = 0
+        for slot_field, packed in self.buffer.client.hgetall(keys.pending).items():
+            pending += len(parse_pending(instance, rank, int(_text(slot_field)), _text(packed)))
+        return sorted(live), pending
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+class DropHandoff:
+    """Before the fix: a signal whose slot has no task is dropped, so its request hangs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: dict[Slot, str] = {}
+        self.dropped: dict[tuple[str, int], int] = {}
+
+    def record(self, instance: str, rank: int, layer: int, entries: Sequence[tuple[int, int]]) -> RecordResult:
+        now = _now_ms()
+        delivered = []
+        with self.lock:
+            for slot, tokens in entries:
+                if (instance, rank, slot) in self.live:
+                    delivered.append(LayerSignal(instance, rank, slot, layer, tokens, None, now))
+                else:
+                    self.dropped[(instance, rank)] = self.dropped.get((instance, rank), 0) + 1
+        return RecordResult(delivered=delivered, buffered=[])
+
+    def register(self, task: CacheTask) -> RegisterResult:
+        self.learn(task)
+        return RegisterResult(task, [], [])
+
+    def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
+        with self.lock:
+            holder = self.live.get((instance, rank, slot))
+            if holder not in (None, request_id):
+                return FinishResult(removed=False, dropped=0, fenced=True)
+            removed = self.live.pop((instance, rank, slot), None) is not None
+        return FinishResult(removed=removed, dropped=0, fenced=False)
+
+    def learn(self, task: CacheTask) -> None:
+        with self.lock:
+            self.live[(task.instance, task.rank, task.slot)] = task.request_id
+
+    def counters(self, instance: str, rank: int) -> dict[str, int]:
+        with self.lock:
+            return {f"dropped_{NO_TASK}": self.dropped.get((instance, rank), 0)}
+
+    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
+        with self.lock:
+            return sorted(s for (i, r, s) in self.live if (i, r) == (instance, rank)), 0
+
+    def close(self) -> None:
+        pass
+
+
+class LocalHandoff(DropHandoff):
+    """FastDeploy's fix, kept to every layer: early signals wait in a dict of this process
+    (newest per slot and layer wins) and are popped when the task registers here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early: dict[Slot, dict[int, LayerSignal]] = {}
+        self.superseded: dict[tuple[str, int], int] = {}
+
+    def record(self, instance: str, rank: int, layer: int, entries: Sequence[tuple[int, int]]) -> RecordResult:
+        now = _now_ms()
+        delivered, buffered = [], []
+        with self.lock:
+            for slot, tokens in entries:
+                signal = LayerSignal(instance, rank, slot, layer, tokens, None, now)
+                if (instance, rank, slot) in self.live:
+                    delivered.append(signal)
+                    continue
+                layers = self.early.setdefault((instance, rank, slot), {})
+                if layer in layers:
+                    self.superseded[(instance, rank)] = self.superseded.get((instance, rank), 0) + 1
+                layers[layer] = signal
+                buffered.append(signal)
+        return RecordResult(delivered=delivered, buffered=buffered)
+
+    def register(self, task: CacheTask) -> RegisterResult:
+        recovered: list[LayerSignal] = []
+        dropped: list[tuple[LayerSignal, DropReason]] = []
+        with self.lock:
+            self.live[(task.instance, task.rank, task.slot)] = task.request_id
+            early = self.early.pop((task.instance, task.rank, task.slot), {})
+        for layer in sorted(early):
+            signal = early[layer]
+            if signal.tokens > task.need_prefill_tokens:
+                dropped.append((signal, DropReason.OVER_NEED))
+            else:
+                recovered.append(signal)
+        return RegisterResult(task, recovered, dropped)
+
+    def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
+        result = super().finish(instance, rank, slot, request_id)
+        if result.fenced:
+            return result
+        with self.lock:
+            dropped = len(self.early.pop((instance, rank, slot), {}))
+        return FinishResult(removed=result.removed, dropped=dropped, fenced=False)
+
+    def counters(self, instance: str, rank: int) -> dict[str, int]:
+        with self.lock:
+            return {"superseded": self.superseded.get((instance, rank), 0)}
+
+    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
+        live, _ = super().leftovers(instance, rank, slots)
+        with self.lock:
+            pending = sum(len(v) for (i, r, _s), v in self.early.items() if (i, r) == (instance, rank))
+        return live, pending
+
+
+def make_handoff(config: SimConfig) -> Handoff:
+    if config.mode is Mode.REDIS:
+        return RedisHandoff(config)
+    if config.mode is Mode.DROP:
+        return DropHandoff()
+    return LocalHandoff()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,132 @@
+"""One prefill node: its ranks, each a GPU thread and a sender thread, and the checks run on
+them when they are done."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..keys import KeySpace
+from .channels import Channel, LocalChannel, RedisChannel, inbox_key
+from .config import Mode, SimConfig
+from .modes import Handoff
+from .producer import produce
+from .rank import RankContext
+from .report import RankReport, clip
+from .sender import Sender
+from .workload import workload
+
+JOIN_GRACE_S = 5.0
+
+
+def run_ranks(
+    config: SimConfig,
+    run_id: str,
+    instance: str,
+    ranks: list[int],
+    handoff: Handoff,
+    registrar: Channel,
+    progress: Callable[[int], None],
+    client: Any = None,
+    inboxes: Callable[[str, int], LocalChannel] | None = None,
+    run: str = "",
+) -> list[RankReport]:
+    """Run the ranks to the end. Registration notices reach a rank through ``inboxes`` (threads
+    of one process) or, when ``client`` is set, through its Redis list."""
+    deadline = time.monotonic() + config.timeout_s
+    contexts = []
+    for r in ranks:
+        ctx = RankContext(
+            config, instance, r, workload(config, instance, r, run_id), handoff, registrar, progress, deadline
+        )
+        if inboxes is not None:
+            ctx.inbox = inboxes(instance, r)
+        else:
+            ctx.reply_to = inbox_key(config.namespace, instance, r, run)
+        contexts.append(ctx)
+    for ctx in contexts:
+        ctx.counts["requests"] = len(ctx.requests)
+    before = {ctx.rank: handoff.counters(instance, ctx.rank) for ctx in contexts}
+    senders = [Sender(ctx) for ctx in contexts]
+    workers, forwarders = [], []
+    for ctx, sender in zip(contexts, senders, strict=True):
+        workers.append(threading.Thread(target=produce, args=(ctx,), name=f"gpu-{ctx.name}", daemon=True))
+        workers.append(threading.Thread(target=sender.run, name=f"sender-{ctx.name}", daemon=True))
+        if client is not None:
+            channel = RedisChannel(client, ctx.reply_to)
+            forwarders.append(threading.Thread(target=forward, args=(channel, ctx), daemon=True))
+    for thread in [*workers, *forwarders]:
+        thread.start()
+    for thread in workers:
+        # Both loops end by the deadline on their own; the grace covers one last call.
+        thread.join(max(0.0, deadline - time.monotonic()) + JOIN_GRACE_S)
+    for ctx in contexts:
+        ctx.stop.set()
+    for thread in [*workers, *forwarders]:
+        thread.join(JOIN_GRACE_S)
+    return [check(ctx, sender, before[ctx.rank]) for ctx, sender in zip(contexts, senders, strict=True)]
+
+
+def forward(channel: Channel, ctx: RankContext) -> None:
+    """Move registration notices from the rank's Redis inbox to its sender."""
+    while not ctx.stop.is_set():
+        message = channel.get(0.1)
+        if message is not None:
+            ctx.inbox.put(message)
+
+
+def check(ctx: RankContext, sender: Sender, before: dict[str, int]) -> RankReport:
+    config = ctx.config
+    unresolved = len(ctx.requests) - len(sender.resolved)
+    if unresolved:
+        ctx.violation(f"{unresolved} requests unresolved when the run timed out")
+    lost, duplicates, notes = sender.lost_and_duplicates()
+    for note in notes:
+        ctx.violation(note)
+    if sender.parked:
+        ctx.violation(f"delivered signals for slots whose task never arrived: {sorted(sender.parked)}")
+    if ctx.free.qsize() != config.batch:
+        ctx.violation(f"{config.batch - ctx.free.qsize()} slots never released")
+    live, pending = ctx.handoff.leftovers(ctx.instance, ctx.rank, config.batch)
+    if live:
+        ctx.violation(f"slots {live} still hold a task at the end")
+    after = ctx.handoff.counters(ctx.instance, ctx.rank)
+    for name in ("superseded", "expired", "dropped_no_task"):
+        ctx.count(name, after.get(name, 0) - before.get(name, 0))
+    accounting(ctx, pending)
+    if config.mode is Mode.REDIS:
+        keys_left(ctx)
+    return RankReport(ctx.instance, ctx.rank, dict(ctx.counts), lost, duplicates, ctx.record_ms, clip(ctx.violations))
+
+
+def accounting(ctx: RankContext, pending: int) -> None:
+    """Invariant 1 in numbers: each signal was delivered, or buffered and then ended in exactly
+    one place (recovered, dropped with a reason, superseded, expired) or is still pending."""
+    c = ctx.counts
+    if c.get("signals", 0) != c.get("delivered", 0) + c.get("buffered", 0) + c.get("dropped_no_task", 0):
+        ctx.violation(f"accounting: signals {c.get('signals', 0)} != delivered + buffered + dropped ({c})")
+    ended = sum(v for k, v in c.items() if k.startswith("dropped_") and k != "dropped_no_task")
+    ended += c.get("recovered", 0) + c.get("finish_dropped", 0) + c.get("superseded", 0) + c.get("expired", 0)
+    if c.get("buffered", 0) != ended + pending:
+        ctx.violation(f"accounting: buffered {c.get('buffered', 0)} != ended {ended} + pending {pending}")
+    if pending:
+        ctx.violation(f"{pending} signals still pending at the end")
+
+
+def keys_left(ctx: RankContext) -> None:
+    """Nothing of the rank may stay in Redis but its counters (and retry tokens on their TTL)."""
+    from .modes import RedisHandoff
+
+    handoff = ctx.handoff
+    assert isinstance(handoff, RedisHandoff)
+    client = handoff.buffer.client
+    tag = KeySpace(ctx.config.namespace).rank(ctx.instance, ctx.rank).tag
+    for raw in client.scan_iter(match=f"rls:{tag}:*", count=1000):
+        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if key.endswith(":stats"):
+            continue
+        if ":reply:" in key and int(client.pttl(key)) > 0:
+            continue
+        ctx.violation(f"key left in Redis: {key}")
