@@ -14,6 +14,7 @@ import pytest
 
 from redis_layer_signals.fastdeploy.workload import ORDERS, Outcome, make_plans, run
 from tests.servers import RedisServer
+from tests.topology import ClusterTopology
 
 REQUESTS = 32
 LAYERS = 4
@@ -60,6 +61,11 @@ def test_adder_in_another_process_sharing_redis_loses_nothing(redis_server: Redi
     hand-off of each early signal is decided in Redis alone."""
     outcome = run(redis_server.url, namespace, requests=REQUESTS, seed=3, layers=LAYERS, adder_process=True)
     assert_nothing_lost(outcome)
+
+
+def test_workload_on_a_three_primary_cluster_loses_nothing(cluster: ClusterTopology, namespace: str) -> None:
+    """The bridge's calls (record, register, task reads, finish, stats) through a Cluster client."""
+    assert_nothing_lost(run(cluster.url, namespace, requests=REQUESTS, seed=4, layers=LAYERS, timeout_s=WAIT_S))
 
 
 def test_plans_are_seeded_and_cover_every_order() -> None:
