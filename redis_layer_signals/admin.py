@@ -63,6 +63,8 @@ def snapshot(
             continue
         keys = buf.protocol.keys.rank(inst, rk)
         for field_, value in sorted(buf.client.hgetall(keys.live).items()):
+            if not _text(field_).isdigit():
+                continue  # not a slot: a marker the scripts keep in the hash
             s = int(_text(field_))
             if slot is not None and s != slot:
                 continue
@@ -82,6 +84,8 @@ def snapshot(
                 )
             )
         for field_, packed in sorted(buf.client.hgetall(keys.pending).items()):
+            if not _text(field_).isdigit():
+                continue
             s = int(_text(field_))
             if slot is not None and s != slot:
                 continue
@@ -92,7 +96,8 @@ def snapshot(
 
 
 def _pending_rows(instance: str, rank: int, slot: int, packed: str, now: int) -> list[PendingRow]:
-    """Records "layer,tokens,request_id,recorded_at_ms,deadline_ms;" (layout in lua/_lib.lua)."""
+    """Records "layer,tokens,request_id,recorded_at_ms,deadline_ms" separated by ';' (the
+    layout documented in lua/_lib.lua)."""
     rows = []
     for record in filter(None, packed.split(";")):
         layer, tokens, rid, at, deadline = record.split(",")[:5]

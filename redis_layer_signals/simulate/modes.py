@@ -65,7 +65,8 @@ class RedisHandoff:
         live = [int(_text(s)) for s in self.buffer.client.hkeys(keys.live) if _text(s).isdigit()]
         pending = 0
         for slot_field, packed in self.buffer.client.hgetall(keys.pending).items():
-            pending += len(parse_pending(instance, rank, int(_text(slot_field)), _text(packed)))
+            if _text(slot_field).isdigit():  # other fields are the scripts' markers
+                pending += len(parse_pending(instance, rank, int(_text(slot_field)), _text(packed)))
         return sorted(live), pending
 
     def close(self) -> None:

@@ -104,14 +104,13 @@ class Sender:
         rid = request.request_id
         if rid in self.resolved:
             self.ctx.violation(f"{rid} layer {layer} sent after the request was {self.resolved[rid]}")
-            return
         for index, (chunk_start, chunk_end) in enumerate(request.chunks(self.chunk_tokens)):
             if start <= chunk_start and chunk_end <= end:
                 key = (rid, layer, index)
                 self.sent[key] = self.sent.get(key, 0) + 1
                 if self.sent[key] == 1:
                     self.remaining[rid] -= 1
-        if self.remaining[rid] == 0:
+        if self.remaining[rid] == 0 and rid not in self.resolved:
             self.complete(request)
 
     # -- ends of a request ------------------------------------------------------------------

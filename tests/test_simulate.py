@@ -1,0 +1,138 @@
+"""`rls simulate` end to end: on memory:// (threads), on a real Redis with a process per rank,
+and the two baselines showing the failure the buffer fixes. Expected figures are derived from
+the seeded workload, independently of the run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from redis_layer_signals.models import CacheTask, RecordResult, RegisterResult
+from redis_layer_signals.simulate import Mode, SimConfig, simulate
+from redis_layer_signals.simulate import runner as sim_runner
+from redis_layer_signals.simulate.modes import LocalHandoff
+from redis_layer_signals.simulate.workload import Request, workload
+from tests.servers import RedisServer
+
+SMALL = {"instances": 2, "ranks": 2, "requests": 8, "layers": 6, "early_share": 0.5, "abort_share": 0.2}
+
+
+def planned(config: SimConfig) -> list[Request]:
+    """The seeded workload of every rank (the run id only changes the request names)."""
+    return [r for i in config.instance_names() for k in range(config.ranks) for r in workload(config, i, k, "x")]
+
+
+def expected_signals(config: SimConfig) -> int:
+    return sum(len(r.chunks(config.chunk_tokens)) * config.layers for r in planned(config))
+
+
+def test_simulate_on_memory_sends_every_layer_of_every_chunk_exactly_once() -> None:
+    config = SimConfig(url="memory://sim-ok", namespace="sim", **SMALL)  # type: ignore[arg-type]
+    plan = planned(config)
+    early = sum(r.early for r in plan)
+    aborted = sum(r.abort for r in plan)
+    assert early > 0 and aborted > 0  # the seed exercises both paths
+
+    summary = simulate(config)
+
+    assert summary.violations == [] and summary.ok
+    assert summary.requests == len(plan) == config.instances * config.ranks * config.requests
+    assert summary.completed == len(plan) - aborted and summary.aborted == aborted
+    assert summary.signals == expected_signals(config)
+    assert summary.lost == summary.hung == summary.duplicates == 0
+    # An early task registers only after its request's first layer-0 signal was recorded,
+    # so each early request had at least that signal buffered, and recovered it.
+    assert summary.buffered_early >= early + aborted * config.layers
+    assert summary.recovered >= early
+    # An aborted request's every layer waited (newest per layer) and finish dropped them.
+    assert summary.dropped == {"finish": aborted * config.layers}
+    assert summary.signals == summary.delivered + summary.buffered_early
+    assert summary.record_p50_ms is not None and summary.register_p99_ms is not None
+
+
+def test_simulate_on_real_redis_with_a_process_per_rank_leaves_only_counters(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    config = SimConfig(url=redis_server.url, namespace=namespace, timeout_s=120, **SMALL)  # type: ignore[arg-type]
+    summary = simulate(config)
+
+    assert summary.violations == []
+    assert summary.processes == config.instances * config.ranks + 1
+    assert summary.signals == expected_signals(config)
+    assert summary.completed + summary.aborted == summary.requests == len(planned(config))
+    assert summary.recovered >= sum(r.early for r in planned(config))
+    client = redis_server.client()
+    left = [k.decode() for k in client.scan_iter(match=f"rls:{{{namespace}/*", count=1000)]
+    assert left and all(k.endswith(":stats") or (":reply:" in k and client.pttl(k) > 0) for k in left), left
+    counted = [int(client.hget(k, f) or 0) for k in left if k.endswith(":stats") for f in ("delivered", "buffered")]
+    assert sum(counted) == summary.signals
+
+
+def test_drop_baseline_hangs_every_request_whose_task_came_after_its_first_signal() -> None:
+    config = SimConfig(url="memory://sim-drop", mode=Mode.DROP, hang_timeout_s=0.3, **SMALL)  # type: ignore[arg-type]
+    summary = simulate(config)
+
+    early = sum(r.early for r in planned(config))
+    assert summary.hung == early > 0
+    assert summary.lost > 0 and summary.dropped["no_task"] > 0
+    assert not summary.ok and any("never sent" in v for v in summary.violations)
+
+
+def test_local_baseline_works_in_one_process() -> None:
+    config = SimConfig(url="memory://sim-local", mode=Mode.LOCAL, **SMALL)  # type: ignore[arg-type]
+    summary = simulate(config)
+    assert summary.violations == [] and summary.lost == 0 and summary.recovered > 0
+
+
+def test_local_baseline_loses_early_signals_when_registration_is_in_another_process(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    config = SimConfig(
+        url=redis_server.url, namespace=namespace, mode=Mode.LOCAL, hang_timeout_s=0.5, timeout_s=120, **SMALL
+    )  # type: ignore[arg-type]
+    summary = simulate(config)
+
+    early = sum(r.early for r in planned(config))
+    assert summary.recovered == 0  # the registrar's dict never saw the nodes' early signals
+    assert summary.hung == early > 0 and summary.lost > 0
+    assert not summary.ok
+
+
+def test_same_seed_same_workload_other_seed_other_workload() -> None:
+    base = SimConfig(url="memory://sim-seed", requests=4, layers=2, instances=1, ranks=1)
+    first, again = simulate(base), simulate(base)
+    other = simulate(base.with_(seed=7))
+    assert (first.signals, first.aborted) == (again.signals, again.aborted) == (expected_signals(base), first.aborted)
+    assert other.signals == expected_signals(base.with_(seed=7)) != first.signals
+
+
+class _DoubleHandoff(LocalHandoff):
+    """A broken buffer: hands each recovered signal out twice."""
+
+    def register(self, task: CacheTask) -> RegisterResult:
+        result = super().register(task)
+        return RegisterResult(task, result.recovered * 2, result.dropped)
+
+
+class _LossyHandoff(LocalHandoff):
+    """A broken buffer: says it buffered layer 1's early signals, then forgets them."""
+
+    def record(self, instance: str, rank: int, layer: int, entries: Sequence[tuple[int, int]]) -> RecordResult:
+        result = super().record(instance, rank, layer, entries)
+        if layer == 1:
+            with self.lock:
+                for signal in result.buffered:
+                    self.early.get((instance, rank, signal.slot), {}).pop(1, None)
+        return result
+
+
+@pytest.mark.parametrize(("broken", "figure"), [(_DoubleHandoff, "duplicates"), (_LossyHandoff, "lost")])
+def test_checks_catch_a_buffer_that_hands_a_signal_twice_or_loses_one(
+    monkeypatch: pytest.MonkeyPatch, broken: type[LocalHandoff], figure: str
+) -> None:
+    monkeypatch.setattr(sim_runner, "make_handoff", lambda _config: broken())
+    config = SimConfig(url="memory://sim-broken", mode=Mode.LOCAL, hang_timeout_s=0.3, **SMALL)  # type: ignore[arg-type]
+    summary = simulate(config)
+    assert not summary.ok and summary.violations
+    assert getattr(summary, figure) > 0
