@@ -20,6 +20,9 @@ from tests.servers import RedisServer, wait_until
 from tests.test_race import assert_every_signal_accounted_once, run_race
 from tests.topology import ClusterTopology
 
+MIGRATE_BATCH = 10
+"""Keys per MIGRATE, redis-cli's default pipeline."""
+
 
 @pytest.fixture
 def replicated(cluster_with_replicas: ClusterTopology) -> Iterator[ClusterTopology]:
@@ -101,9 +104,24 @@ def test_killed_primary_replaced_by_its_replica_while_calls_run_loses_and_repeat
     buf.close()
 
 
+def _redirections(topology: ClusterTopology) -> dict[str, int]:
+    """MOVED/ASK/TRYAGAIN replies the primaries have sent so far (INFO errorstats)."""
+    totals: dict[str, int] = {}
+    for node in topology.primary_nodes():
+        client = node.client()
+        for name, value in client.info("errorstats").items():
+            kind = name.removeprefix("errorstat_")
+            if kind in ("MOVED", "ASK", "TRYAGAIN"):
+                totals[kind] = totals.get(kind, 0) + int(value["count"])
+        client.close()
+    return totals
+
+
 def _migrate_slot(topology: ClusterTopology, key: str) -> None:
-    """Move ``key``'s slot to another primary the way redis-cli does: IMPORTING/MIGRATING,
-    MIGRATE the keys in small batches, then SETSLOT NODE everywhere."""
+    """Move ``key``'s slot to another primary the way ``redis-cli --cluster reshard`` does:
+    IMPORTING/MIGRATING, MIGRATE the keys in batches, then SETSLOT NODE everywhere. Calls that
+    arrive meanwhile get TRYAGAIN (their fresh reply key is missing on the source while the
+    rank's other keys are still there) and then ASK, until the slot is moved."""
     source = topology.node_for_key(key)
     target = next(n for n in topology.primary_nodes() if n.port != source.port)
     src, dst = source.client(), target.client()
@@ -115,7 +133,7 @@ def _migrate_slot(topology: ClusterTopology, key: str) -> None:
         dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
         src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
         while True:
-            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 2)
+            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, MIGRATE_BATCH)
             if not keys:
                 break
             src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
@@ -139,9 +157,13 @@ def test_slot_migrated_while_calls_run_is_followed_and_nothing_is_delivered_twic
         time.sleep(1)  # let the calls get going first
         _migrate_slot(replicated, tag_key)
         wait_until(lambda: replicated.node_for_key(tag_key).port != before, timeout=10, what="slot moved")
-        _migrate_slot(replicated, tag_key)  # and on again, so calls see both directions
+        _migrate_slot(replicated, tag_key)  # and on again
+        time.sleep(0.5)  # calls after the move: their cached slot map is stale (MOVED)
 
+    redirections_before = _redirections(replicated)
     logs = churn_during(replicated.url, namespace, fault, retry_s=10)
+    redirected = {k: v - redirections_before.get(k, 0) for k, v in _redirections(replicated).items()}
+    assert redirected.get("MOVED", 0) > 0 and redirected.get("ASK", 0) + redirected.get("TRYAGAIN", 0) > 0, redirected
     buf = SignalBuffer.from_url(replicated.url, namespace=namespace, env={})
     assert_every_signal_accounted_once(logs, buf)
     buf.close()
