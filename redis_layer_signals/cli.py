@@ -24,6 +24,7 @@ from .errors import SignalBufferError
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
 from .simulate.config import DEFAULT_CHUNK_TOKENS, DEFAULT_EARLY_SHARE, DEFAULT_LAYERS, DEFAULT_REQUESTS
 from .simulate.report import clip, table
+from .simulate.runner import preflight
 
 EXIT_FAILED = 1
 """Checks failed, or the command could not run (bad URL, unreachable Redis, bad argument)."""
@@ -105,6 +106,7 @@ def simulate_command(
 def run_simulation(config: SimConfig) -> Summary:
     """``simulate`` with a progress bar; the hook options such as fault injection extend."""
     total = config.instances * config.ranks * config.requests
+    preflight(config)
     with _progress() as progress:
         task = progress.add_task(f"simulate --mode {config.mode.value}", total=total)
         return simulate(config, lambda n: progress.advance(task, n))
@@ -167,6 +169,7 @@ def node_command(
         timeout_s=timeout_s,
         seed=seed,
     )
+    preflight(config)
     with _progress() as progress:
         task = progress.add_task(f"node {instance}", total=ranks * requests)
         summary = node_summary(config, instance, ranks, lambda n: progress.advance(task, n))

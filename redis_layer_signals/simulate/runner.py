@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..buffer import SignalBuffer
 from ..connection import sync_client
 from .channels import REGISTRAR, LocalChannel, RedisChannel, inbox_key
 from .config import SimConfig
@@ -43,6 +44,13 @@ def simulate(config: SimConfig, progress: Progress | None = None) -> Summary:
     return summarize(
         config.mode.value, config.seed, processes, time.monotonic() - started, ranks, registrar.register_ms, extra
     )
+
+
+def preflight(config: SimConfig) -> None:
+    """Reach Redis once: unreachable is one BufferUnavailable here, not a crash per process."""
+    if not config.in_process:
+        with SignalBuffer.from_url(config.url, namespace=config.namespace) as probe:
+            probe.now_ms()
 
 
 def _threads(config: SimConfig, run_id: str, tick: Progress) -> tuple[list[RankReport], RegistrarReport, list[str]]:
@@ -88,6 +96,7 @@ def _threads(config: SimConfig, run_id: str, tick: Progress) -> tuple[list[RankR
 
 
 def _processes(config: SimConfig, run_id: str, tick: Progress) -> tuple[list[RankReport], RegistrarReport, list[str]]:
+    preflight(config)
     context = multiprocessing.get_context("spawn")
     events: Any = context.Queue()
     registrar = context.Process(target=registrar_process, args=(config, run_id, events), name="registrar", daemon=True)
@@ -161,7 +170,6 @@ def node_process(config: SimConfig, run_id: str, instance: str, rank: int, event
         events.put(("ranks", reports))
     except Exception as exc:
         events.put(("error", f"{instance}/{rank}: {type(exc).__name__}: {exc}"))
-        raise
 
 
 def registrar_process(config: SimConfig, run_id: str, events: Any) -> None:
@@ -169,7 +177,6 @@ def registrar_process(config: SimConfig, run_id: str, events: Any) -> None:
         events.put(("registrar", run_registrar(config, run=run_id)))
     except Exception as exc:
         events.put(("error", f"registrar: {type(exc).__name__}: {exc}"))
-        raise
 
 
 def run_node(

@@ -1,0 +1,226 @@
+"""The `rls` operator commands on a real Redis the tests seed themselves, and their error paths:
+one line on stderr, a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from redis_layer_signals import CacheTask, SignalBuffer
+from tests.servers import RedisServer, free_port
+
+TIMEOUT_S = 60
+
+
+def rls(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
+    environment.update({"RLS_RETRY_S": "0.5", "COLUMNS": "200", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "redis_layer_signals", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=environment,
+    )
+
+
+@pytest.fixture
+def seeded(redis_server: RedisServer, namespace: str) -> SignalBuffer:
+    """p0/0: slot 5 holds req-live, slot 7 has two early signals; p1/3: one early signal."""
+    buf = SignalBuffer.from_url(redis_server.url, namespace=namespace, env={})
+    buf.register(CacheTask("p0", 0, 5, "req-live", need_prefill_tokens=4096, num_layers=61))
+    buf.record("p0", 0, 0, [(7, 2048)])
+    buf.record("p0", 0, 1, [(7, 1024, "req-early")])
+    buf.record("p1", 3, 0, [(2, 512)])
+    return buf
+
+
+def test_inspect_json_lists_live_tasks_and_pending_signals_with_ages_and_ttls(
+    redis_server: RedisServer, namespace: str, seeded: SignalBuffer
+) -> None:
+    done = rls("inspect", "--redis", redis_server.url, "--namespace", namespace, "--json")
+    assert done.returncode == 0, done.stderr
+    shot = json.loads(done.stdout)
+    assert [
+        (t["instance"], t["rank"], t["slot"], t["request_id"], t["need_prefill_tokens"]) for t in shot["tasks"]
+    ] == [("p0", 0, 5, "req-live", 4096)]
+    assert 0 < shot["tasks"][0]["lease_left_ms"] <= 900_000
+    pending = [(p["instance"], p["rank"], p["slot"], p["layer"], p["tokens"], p["request_id"]) for p in shot["pending"]]
+    assert pending == [("p0", 0, 7, 0, 2048, None), ("p0", 0, 7, 1, 1024, "req-early"), ("p1", 3, 2, 0, 512, None)]
+    for p in shot["pending"]:
+        assert p["age_ms"] >= 0 and 0 < p["ttl_ms"] <= 60_000
+        assert p["age_ms"] + p["ttl_ms"] == pytest.approx(60_000, abs=2)
+
+
+def test_inspect_filters_by_instance_rank_and_slot(
+    redis_server: RedisServer, namespace: str, seeded: SignalBuffer
+) -> None:
+    base = ("inspect", "--redis", redis_server.url, "--namespace", namespace, "--json")
+    only_p1 = json.loads(rls(*base, "--instance", "p1").stdout)
+    assert only_p1["tasks"] == [] and [p["slot"] for p in only_p1["pending"]] == [2]
+    slot5 = json.loads(rls(*base, "--instance", "p0", "--rank", "0", "--slot", "5").stdout)
+    assert [t["request_id"] for t in slot5["tasks"]] == ["req-live"] and slot5["pending"] == []
+    nothing = json.loads(rls(*base, "--rank", "9").stdout)
+    assert nothing["tasks"] == [] and nothing["pending"] == []
+
+
+def test_inspect_table_shows_the_request_and_counts(
+    redis_server: RedisServer, namespace: str, seeded: SignalBuffer
+) -> None:
+    done = rls("inspect", "--redis", redis_server.url, "--namespace", namespace)
+    assert done.returncode == 0, done.stderr
+    assert "live tasks" in done.stdout and "(1)" in done.stdout
+    assert "pending early signals" in done.stdout and "(3)" in done.stdout
+    assert "req-live" in done.stdout and "req-early" in done.stdout
+
+
+def test_stats_prints_the_namespace_counters(redis_server: RedisServer, namespace: str, seeded: SignalBuffer) -> None:
+    done = rls("stats", "--redis", redis_server.url, "--namespace", namespace, "--json")
+    assert done.returncode == 0, done.stderr
+    counters = json.loads(done.stdout)
+    assert counters["buffered"] == 3 and counters["registered"] == 1 and counters["delivered"] == 0
+    assert counters == seeded.stats()
+    table = rls("stats", "--redis", redis_server.url, "--namespace", namespace)
+    assert "buffered" in table.stdout and "registered" in table.stdout
+
+
+def test_stats_watch_refreshes_the_given_number_of_times(
+    redis_server: RedisServer, namespace: str, seeded: SignalBuffer
+) -> None:
+    done = rls(
+        "stats", "--redis", redis_server.url, "--namespace", namespace, "--watch", "--count", "2", "--interval", "0.1"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "registered" in done.stdout
+
+
+def test_env_variables_stand_in_for_redis_and_namespace(
+    redis_server: RedisServer, namespace: str, seeded: SignalBuffer
+) -> None:
+    done = rls("stats", "--json", env={"RLS_REDIS_URL": redis_server.url, "RLS_NAMESPACE": namespace})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["buffered"] == 3
+
+
+def test_purge_refuses_without_yes_and_removes_only_its_namespace(redis_server: RedisServer, namespace: str) -> None:
+    keep, gone = f"{namespace}-keep", f"{namespace}-go"
+    for ns in (keep, gone):
+        buf = SignalBuffer.from_url(redis_server.url, namespace=ns, env={})
+        buf.record("p0", 0, 0, [(1, 10)])
+        buf.register(CacheTask("p0", 1, 2, "r", need_prefill_tokens=10, num_layers=2))
+        buf.close()
+    client = redis_server.client()
+    client.set(f"unrelated:{namespace}", "1")
+
+    def keys_of(ns: str) -> list[bytes]:
+        return list(client.scan_iter(match=f"rls:{{{ns}/*", count=1000))
+
+    before = len(keys_of(gone))
+    refused = rls("purge", "--redis", redis_server.url, "--namespace", gone)
+    assert refused.returncode != 0 and "without --yes" in refused.stderr
+    assert len(keys_of(gone)) == before > 0
+
+    done = rls("purge", "--redis", redis_server.url, "--namespace", gone, "--yes")
+    assert done.returncode == 0, done.stderr
+    assert f"purged {before} keys" in done.stdout
+    assert keys_of(gone) == []
+    assert len(keys_of(keep)) == before  # a namespace that shares the prefix is untouched
+    assert client.get(f"unrelated:{namespace}") == b"1"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("stats",),
+        ("inspect",),
+        ("purge", "--namespace", "x", "--yes"),
+        ("metrics", "--port", "0", "--duration-s", "1"),
+        ("simulate", "--requests", "1", "--layers", "1"),
+    ],
+)
+def test_unreachable_redis_prints_one_line_and_exits_non_zero(args: tuple[str, ...]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    done = rls(*args, "--redis", url)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rls: error:"), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("stats", "--redis", "localhost:6379"), "url"),
+        (("stats", "--redis", "gopher://x"), "gopher"),
+        (("stats", "--namespace", "bad name!"), "namespace"),
+        (("simulate", "--layers", "0"), "--layers"),
+        (("simulate", "--early-share", "2"), "--early-share"),
+        (("inspect", "--nope"), "--nope"),
+        (("purge",), "--namespace"),
+    ],
+)
+def test_bad_arguments_print_one_line_naming_the_problem(args: tuple[str, ...], named: str) -> None:
+    done = rls(*args)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+def test_simulate_cli_writes_json_with_snake_case_figures(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    done = rls("simulate", "--requests", "4", "--layers", "4", "--ranks", "1", "--seed", "3", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())
+    for key in (
+        "requests",
+        "signals",
+        "lost",
+        "hung",
+        "delivered",
+        "buffered_early",
+        "recovered",
+        "dropped",
+        "superseded",
+        "record_p50_ms",
+        "record_p99_ms",
+        "register_p50_ms",
+        "register_p99_ms",
+    ):
+        assert key in figures, key
+    assert figures["requests"] == 8 and figures["lost"] == figures["hung"] == 0 and figures["ok"] is True
+    assert "every layer of every chunk sent exactly once" in done.stdout
+
+
+def test_simulate_cli_drop_baseline_lists_violations_and_fails(tmp_path: Path) -> None:
+    out = tmp_path / "drop.json"
+    done = rls(
+        "simulate",
+        "--mode",
+        "drop",
+        "--requests",
+        "6",
+        "--layers",
+        "3",
+        "--early-share",
+        "0.5",
+        "--hang-timeout-s",
+        "0.3",
+        "--json",
+        str(out),
+    )
+    assert done.returncode == 1
+    assert "FAILED" in done.stderr and "never sent" in done.stderr
+    figures = json.loads(out.read_text())
+    assert figures["hung"] > 0 and figures["ok"] is False
+
+
+def test_module_and_help_list_every_command() -> None:
+    done = rls("--help")
+    assert done.returncode == 0
+    for command in ("simulate", "inspect", "stats", "purge", "metrics", "node", "registrar"):
+        assert command in done.stdout
