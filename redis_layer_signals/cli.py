@@ -114,10 +114,11 @@ def run_simulation(config: SimConfig) -> Summary:
 
 def finish_run(summary: Summary, json_path: Path | None) -> None:
     out.print(table(summary))
-    if summary.mode == Mode.REDIS.value and summary.buffered_early:
+    if summary.mode == Mode.REDIS.value and summary.late_tasks:
         out.print(
-            f"{summary.buffered_early} signals came before their task and were buffered in Redis; "
-            "before the fix they were dropped and their requests hung (compare: --mode drop)."
+            f"{summary.late_tasks} requests got their cache task after their first layer-0 signal: "
+            f"{summary.buffered_early} early signals waited in Redis and {summary.recovered} came back on register. "
+            "Before the fix those signals were dropped and the requests hung (compare: --mode drop)."
         )
     if json_path is not None:
         json_path.write_text(json.dumps(summary.to_json(), indent=2) + "\n")

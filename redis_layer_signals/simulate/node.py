@@ -11,10 +11,10 @@ from typing import Any
 from ..keys import KeySpace
 from .channels import Channel, LocalChannel, RedisChannel, inbox_key
 from .config import Mode, SimConfig
-from .modes import Handoff
+from .modes import Handoff, RedisHandoff
 from .producer import produce
 from .rank import RankContext
-from .report import RankReport, clip
+from .report import RankReport
 from .sender import Sender
 from .workload import workload
 
@@ -82,6 +82,9 @@ def check(ctx: RankContext, sender: Sender, before: dict[str, int]) -> RankRepor
     unresolved = len(ctx.requests) - len(sender.resolved)
     if unresolved:
         ctx.violation(f"{unresolved} requests unresolved when the run timed out")
+    hung = sorted(rid for rid, how in sender.resolved.items() if how == "hung")
+    if hung:
+        ctx.violation(f"{len(hung)} requests hung (not every layer sent {config.hang_timeout_s:g}s after prefill)")
     lost, duplicates, notes = sender.lost_and_duplicates()
     for note in notes:
         ctx.violation(note)
@@ -98,7 +101,7 @@ def check(ctx: RankContext, sender: Sender, before: dict[str, int]) -> RankRepor
     accounting(ctx, pending)
     if config.mode is Mode.REDIS:
         keys_left(ctx)
-    return RankReport(ctx.instance, ctx.rank, dict(ctx.counts), lost, duplicates, ctx.record_ms, clip(ctx.violations))
+    return RankReport(ctx.instance, ctx.rank, dict(ctx.counts), lost, duplicates, ctx.record_ms, list(ctx.violations))
 
 
 def accounting(ctx: RankContext, pending: int) -> None:
@@ -117,8 +120,6 @@ def accounting(ctx: RankContext, pending: int) -> None:
 
 def keys_left(ctx: RankContext) -> None:
     """Nothing of the rank may stay in Redis but its counters (and retry tokens on their TTL)."""
-    from .modes import RedisHandoff
-
     handoff = ctx.handoff
     assert isinstance(handoff, RedisHandoff)
     client = handoff.buffer.client

@@ -72,3 +72,4 @@ def step(ctx: RankContext, batch: list[Running]) -> None:
                     # The race of the seed: the task reaches the registrar after this signal.
                     ctx.registrar.put(ctx.task_message(item.request, item.slot, item.request.delay_ms))
                     item.announced = True
+                    ctx.count("late_tasks")

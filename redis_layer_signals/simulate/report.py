@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
-MAX_LISTED = 8
-"""Violations listed per rank before the rest are summarised as a count."""
+MAX_LISTED = 12
+"""Violations printed before the rest are summarised as a count (--json has them all)."""
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Summary:
     completed: int
     aborted: int
     hung: int
+    late_tasks: int
     signals: int
     delivered: int
     buffered_early: int
@@ -92,6 +93,7 @@ def summarize(
         completed=counts.get("completed", 0),
         aborted=counts.get("aborted", 0),
         hung=counts.get("hung", 0),
+        late_tasks=counts.get("late_tasks", 0),
         signals=counts.get("signals", 0),
         delivered=counts.get("delivered", 0),
         buffered_early=counts.get("buffered", 0),
@@ -117,6 +119,7 @@ def table(summary: Summary) -> Table:
     rows: list[tuple[str, object]] = [
         ("requests", summary.requests),
         ("  completed / aborted", f"{summary.completed} / {summary.aborted}"),
+        ("  task after 1st signal", summary.late_tasks),
         ("signals (layer x chunk)", summary.signals),
         ("delivered at once", summary.delivered),
         ("buffered early", summary.buffered_early),

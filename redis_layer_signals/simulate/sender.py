@@ -79,8 +79,11 @@ class Sender:
         if message.get("error"):
             ctx.violation(f"register {task.request_id}: {message['error']}")
         request = self.requests.get(task.request_id)
-        if request is None or task.request_id in self.resolved:
-            ctx.violation(f"registration of {task.request_id} arrived after it was resolved")
+        if request is None:
+            ctx.violation(f"registration of {task.request_id}, a request this rank never had")
+            return
+        if task.request_id in self.resolved:
+            ctx.violation(f"registration of {task.request_id} arrived after it was {self.resolved[task.request_id]}")
             return
         ctx.handoff.learn(task)
         self.tasks[task.slot] = task
