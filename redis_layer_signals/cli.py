@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +23,7 @@ from .buffer import SignalBuffer
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import SignalBufferError
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
+from .simulate.chaos import run_with_chaos
 from .simulate.config import DEFAULT_CHUNK_TOKENS, DEFAULT_EARLY_SHARE, DEFAULT_LAYERS, DEFAULT_REQUESTS
 from .simulate.report import clip, table
 from .simulate.runner import preflight
@@ -79,6 +81,13 @@ def simulate_command(
     timeout_s: Annotated[float, typer.Option(min=0.0, help="Bound of the whole run.")] = 600.0,
     seed: int = 0,
     json_path: JsonPath = None,
+    chaos: Annotated[
+        bool, typer.Option(help="Restart (memory://: an own AOF Redis) or fail over the buffer's Redis mid-run.")
+    ] = False,
+    chaos_interval_s: Annotated[float, typer.Option(min=0.05, help="Mean seconds between --chaos faults.")] = 1.0,
+    chaos_fsync: Annotated[str, typer.Option(help="appendfsync of the --chaos Redis: always, everysec, off.")] = (
+        "always"
+    ),
 ) -> None:
     """A PD deployment in miniature: proves every layer of every chunk is sent exactly once."""
     config = SimConfig(
@@ -99,17 +108,29 @@ def simulate_command(
         timeout_s=timeout_s,
         seed=seed,
     )
-    summary = run_simulation(config)
+    if chaos:  # --chaos: see simulate/chaos.py
+        summary, faults = run_with_chaos(config, chaos_interval_s, chaos_fsync, run_simulation)
+        out.print(f"chaos on {faults.target}: {len(faults.faults)} faults ({', '.join(sorted(set(faults.faults)))})")
+        for failure in faults.failed:
+            err.print(f"  chaos fault not applied: {failure}", markup=False)
+    else:
+        summary = run_simulation(config)
     finish_run(summary, json_path)
 
 
-def run_simulation(config: SimConfig) -> Summary:
+def run_simulation(config: SimConfig, on_progress: Callable[[int], None] | None = None) -> Summary:
     """``simulate`` with a progress bar; the hook options such as fault injection extend."""
     total = config.instances * config.ranks * config.requests
     preflight(config)
     with _progress() as progress:
         task = progress.add_task(f"simulate --mode {config.mode.value}", total=total)
-        return simulate(config, lambda n: progress.advance(task, n))
+
+        def tick(n: int) -> None:
+            progress.advance(task, n)
+            if on_progress is not None:
+                on_progress(n)
+
+        return simulate(config, tick)
 
 
 def finish_run(summary: Summary, json_path: Path | None) -> None:

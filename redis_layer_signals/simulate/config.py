@@ -48,11 +48,14 @@ class SimConfig:
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     timeout_s: float = 600.0
     seed: int = 0
+    channel_url: str = ""  # --chaos: the simulation's messages on a Redis apart; empty: url
 
     def __post_init__(self) -> None:
         validation.identifier(self.namespace, "namespace", InvalidConfig)
         if not isinstance(self.url, str) or "://" not in self.url:
             raise InvalidConfig("url", self.url, "must be a URL such as memory:// or redis://host:6379/0")
+        if self.channel_url and "://" not in self.channel_url:
+            raise InvalidConfig("channel_url", self.channel_url, "must be a URL such as redis://host:6379/0")
         for name, low in (
             ("instances", 1),
             ("ranks", 1),

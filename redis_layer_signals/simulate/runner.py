@@ -119,7 +119,7 @@ def _processes(config: SimConfig, run_id: str, tick: Progress) -> tuple[list[Ran
     stop_sent = False
     while time.monotonic() < deadline:
         if len(reports) == len(nodes) and not stop_sent:
-            client = sync_client(config.url, CLIENT_TIMEOUT_S)
+            client = sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
             RedisChannel(client, inbox_key(config.namespace, *REGISTRAR, run_id)).put({"kind": "stop"})
             client.close()
             stop_sent = True
@@ -184,7 +184,7 @@ def run_node(
 ) -> list[RankReport]:
     """A prefill node on a shared Redis: its ranks as threads, its registrar somewhere else.
     ``run`` names the registrar's inbox of one ``simulate`` run; empty: the shared one."""
-    client = sync_client(config.url, CLIENT_TIMEOUT_S)
+    client = sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
     handoff = make_handoff(config)
     try:
         registrar = RedisChannel(client, inbox_key(config.namespace, *REGISTRAR, run))
@@ -197,7 +197,7 @@ def run_node(
 def run_registrar(config: SimConfig, idle_exit_s: float = 0.0, run: str = "") -> RegistrarReport:
     """The registrar on a shared Redis: serves every node of the namespace until told to stop
     (or ``idle_exit_s`` of quiet); answers each task on the list its message names."""
-    client = sync_client(config.url, CLIENT_TIMEOUT_S)
+    client = sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
     handoff = make_handoff(config)
     try:
         inbox = RedisChannel(client, inbox_key(config.namespace, *REGISTRAR, run))
