@@ -26,7 +26,7 @@ from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, sim
 from .simulate.chaos import run_with_chaos
 from .simulate.config import DEFAULT_CHUNK_TOKENS, DEFAULT_EARLY_SHARE, DEFAULT_LAYERS, DEFAULT_REQUESTS
 from .simulate.report import clip, table
-from .simulate.runner import preflight
+from .simulate.runner import preflight, require_shared
 
 EXIT_FAILED = 1
 """Checks failed, or the command could not run (bad URL, unreachable Redis, bad argument)."""
@@ -191,6 +191,7 @@ def node_command(
         timeout_s=timeout_s,
         seed=seed,
     )
+    require_shared(config, "node")
     preflight(config)
     with _progress() as progress:
         task = progress.add_task(f"node {instance}", total=ranks * requests)

@@ -162,6 +162,9 @@ def test_unreachable_redis_prints_one_line_and_exits_non_zero(args: tuple[str, .
         (("simulate", "--early-share", "2"), "--early-share"),
         (("inspect", "--nope"), "--nope"),
         (("purge",), "--namespace"),
+        (("node", "--instance", "p0"), "memory://"),
+        (("registrar",), "memory://"),
+        (("simulate", "--namespace", "a{b}"), "namespace"),
     ],
 )
 def test_bad_arguments_print_one_line_naming_the_problem(args: tuple[str, ...], named: str) -> None:

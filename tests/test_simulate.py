@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from redis_layer_signals.errors import InvalidConfig
 from redis_layer_signals.models import CacheTask, RecordResult, RegisterResult
 from redis_layer_signals.simulate import Mode, SimConfig, simulate
 from redis_layer_signals.simulate import runner as sim_runner
@@ -97,6 +98,26 @@ def test_local_baseline_loses_early_signals_when_registration_is_in_another_proc
     assert summary.recovered == 0  # the registrar's dict never saw the nodes' early signals
     assert summary.hung == early > 0 and summary.lost > 0
     assert not summary.ok
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("layers", 0),
+        ("requests", -1),
+        ("early_share", 1.5),
+        ("abort_share", -0.1),
+        ("batch", 600),
+        ("namespace", "a b"),
+        ("url", "localhost"),
+        ("hang_timeout_s", -1),
+    ],
+)
+def test_bad_simulation_settings_raise_a_value_error_naming_field_and_value(field: str, value: object) -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        SimConfig(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(caught.value, ValueError)
+    assert caught.value.field == field and caught.value.value == value
 
 
 def test_same_seed_same_workload_other_seed_other_workload() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..buffer import SignalBuffer
 from ..connection import sync_client
+from ..errors import InvalidConfig
 from .channels import REGISTRAR, LocalChannel, RedisChannel, inbox_key
 from .config import SimConfig
 from .modes import make_handoff
@@ -44,6 +45,12 @@ def simulate(config: SimConfig, progress: Progress | None = None) -> Summary:
     return summarize(
         config.mode.value, config.seed, processes, time.monotonic() - started, ranks, registrar.register_ms, extra
     )
+
+
+def require_shared(config: SimConfig, role: str) -> None:
+    """A node or registrar alone meets its peers only through a Redis they share."""
+    if config.in_process:
+        raise InvalidConfig("url", config.url, f"rls {role} needs a Redis its peers share; memory:// is one process's")
 
 
 def preflight(config: SimConfig) -> None:
@@ -197,6 +204,7 @@ def run_node(
 def run_registrar(config: SimConfig, idle_exit_s: float = 0.0, run: str = "") -> RegistrarReport:
     """The registrar on a shared Redis: serves every node of the namespace until told to stop
     (or ``idle_exit_s`` of quiet); answers each task on the list its message names."""
+    require_shared(config, "registrar")
     client = sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
     handoff = make_handoff(config)
     try:
@@ -209,6 +217,7 @@ def run_registrar(config: SimConfig, idle_exit_s: float = 0.0, run: str = "") ->
 
 def node_summary(config: SimConfig, instance: str, ranks: int, tick: Progress | None = None) -> Summary:
     """``rls node``: one node's ranks against a shared Redis and registrar, checked."""
+    require_shared(config, "node")
     started = time.monotonic()
     reports = run_node(config, secrets.token_hex(3), instance, list(range(ranks)), tick or (lambda _n: None))
     return summarize(config.mode.value, config.seed, 1, time.monotonic() - started, reports, [], [])
