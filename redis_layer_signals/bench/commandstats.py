@@ -1,0 +1,48 @@
+"""Server time per script call from ``INFO commandstats``, by difference (never CONFIG RESETSTAT,
+so a server given with ``--redis`` keeps its own statistics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+EVALSHA = "cmdstat_evalsha"
+
+
+def _evalsha(client: Any) -> tuple[int, int]:
+    stats = client.info("commandstats").get(EVALSHA, {})
+    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+
+
+class ServerClock:
+    """Adds up EVALSHA calls and microseconds over several measured stretches."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.calls = 0
+        self.usec = 0
+
+    def around(self, action: Callable[[], T]) -> T:
+        calls_before, usec_before = _evalsha(self.client)
+        result = action()
+        calls_after, usec_after = _evalsha(self.client)
+        self.calls += calls_after - calls_before
+        self.usec += usec_after - usec_before
+        return result
+
+    def per_call(self) -> float:
+        if self.calls <= 0:
+            raise RuntimeError("no EVALSHA reached the server while measuring its time")
+        return self.usec / self.calls
+
+
+def server_time(client: Any, action: Callable[[], T]) -> tuple[T, float]:
+    """Run ``action``; return its result and the server's microseconds per EVALSHA it made."""
+    calls_before, usec_before = _evalsha(client)
+    result = action()
+    calls_after, usec_after = _evalsha(client)
+    calls = calls_after - calls_before
+    if calls <= 0:
+        raise RuntimeError("no EVALSHA reached the server while measuring its time")
+    return result, (usec_after - usec_before) / calls

@@ -1,0 +1,127 @@
+"""Throughput of several processes recording onto the same slots of one rank at once.
+
+Each worker process opens its own client, waits at a barrier, then calls ``record`` with the
+same batch of slots (half of them with live tasks, set up before the start) until its time is
+up. Ours is one atomic script per call; the naive version retries its WATCH transaction on
+every conflict; the floor sends the same entries to a script that does nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from ..buffer import SignalBuffer
+from ..models import CacheTask
+from .baselines import Floor, NaiveRedisBuffer
+
+INSTANCE = "contend"
+RANK = 0
+NUM_LAYERS = 61
+BARRIER_TIMEOUT_S = 60.0
+RESULT_TIMEOUT_S = 120.0
+
+
+def _entries(batch: int) -> list[tuple[int, int]]:
+    return [(slot, 2048 + slot) for slot in range(batch)]
+
+
+def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barrier: Any, results: Any) -> None:
+    """One contending process: count calls for ``duration_s`` after everyone is ready."""
+    entries = _entries(batch)
+    client = redis.Redis.from_url(url)
+    calls = 0
+    conflicts = 0
+    try:
+        if kind == "ours":
+            buf = SignalBuffer.from_url(url, namespace=name, env={})
+
+            def step(i: int) -> None:
+                buf.record(INSTANCE, RANK, i % NUM_LAYERS, entries)
+
+        elif kind == "naive":
+            naive = NaiveRedisBuffer(client, name)
+
+            def step(i: int) -> None:
+                naive.record(i % NUM_LAYERS, entries)
+
+        elif kind == "floor":
+            floor = Floor(client, name)
+            args = Floor.flat(entries)
+
+            def step(i: int) -> None:
+                floor.call(args)
+
+        else:
+            raise ValueError(f"unknown contender kind {kind!r}")
+        barrier.wait(timeout=BARRIER_TIMEOUT_S)
+        started = time.perf_counter()
+        deadline = started + duration_s
+        while time.perf_counter() < deadline:
+            step(calls)
+            calls += 1
+        elapsed = time.perf_counter() - started
+        if kind == "naive":
+            conflicts = naive.conflicts
+        results.put({"calls": calls, "elapsed_s": elapsed, "conflicts": conflicts, "error": None})
+    except Exception as exc:  # reported to the parent, which raises it
+        results.put({"calls": calls, "elapsed_s": 0.0, "conflicts": conflicts, "error": repr(exc)})
+    finally:
+        client.close()
+
+
+def _prepare(kind: str, url: str, name: str, batch: int) -> None:
+    """Give the odd slots of the batch a live task, so calls both deliver and buffer (a batch
+    of one only buffers, which is where WATCH conflicts)."""
+    live = [slot for slot, _ in _entries(batch)][1::2]
+    if kind == "ours":
+        buf = SignalBuffer.from_url(url, namespace=name, env={})
+        for slot in live:
+            buf.register(
+                CacheTask(INSTANCE, RANK, slot, f"r{slot}", need_prefill_tokens=1 << 20, num_layers=NUM_LAYERS)
+            )
+        buf.close()
+    elif kind == "naive":
+        client = redis.Redis.from_url(url)
+        naive = NaiveRedisBuffer(client, name)
+        for slot in live:
+            naive.register(slot, f"r{slot}", 1 << 20)
+        client.close()
+
+
+def contend(kind: str, url: str, processes: int, batch: int, duration_s: float) -> dict[str, Any]:
+    """Run ``processes`` workers of ``kind``; total signals per second across them."""
+    name = f"bench-{kind}-{uuid.uuid4().hex[:8]}"
+    if kind == "naive":
+        name = f"rls-bench-naive:{{{name}}}"
+    _prepare(kind, url, name, batch)
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    results = context.Queue()
+    workers = [
+        context.Process(target=_worker, args=(kind, url, name, batch, duration_s, barrier, results))
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=RESULT_TIMEOUT_S) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=RESULT_TIMEOUT_S)
+    errors = [outcome["error"] for outcome in outcomes if outcome["error"]]
+    if errors:
+        raise RuntimeError(f"{kind} contender failed: {errors[0]}")
+    calls = sum(int(outcome["calls"]) for outcome in outcomes)
+    elapsed = max(float(outcome["elapsed_s"]) for outcome in outcomes)
+    return {
+        "impl": kind,
+        "processes": processes,
+        "batch": batch,
+        "calls": calls,
+        "elapsed_s": elapsed,
+        "conflicts": sum(int(outcome["conflicts"]) for outcome in outcomes),
+        "throughput": calls * batch / elapsed if elapsed > 0 else 0.0,
+    }

@@ -1,0 +1,49 @@
+"""The latency-vs-batch-size plot. matplotlib is optional (the ``bench`` extra); only this
+module imports it, and only when a plot is asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+IMPLS = (("ours", "redis-layer-signals"), ("floor", "floor: EVALSHA of a no-op"), ("naive", "naive WATCH/MULTI"))
+
+
+def latency_vs_batch(result: dict[str, Any], path: Path) -> Path:
+    """Write a PNG of p50 latency per record call against entries per call, per record path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [case for case in result["latency"] if case["mode"] == "sync" and case["op"] == "record"]
+    paths = sorted({case["path"] for case in cases})
+    figure, axes = plt.subplots(1, len(paths), figsize=(6 * len(paths), 4.5), squeeze=False)
+    for axis, record_path in zip(axes[0], paths, strict=True):
+        for impl, label in IMPLS:
+            points = sorted(
+                (c["size"], c["p50_us"], c["p99_us"]) for c in cases if c["impl"] == impl and c["path"] == record_path
+            )
+            if not points:
+                continue
+            sizes = [p[0] for p in points]
+            axis.plot(sizes, [p[1] for p in points], marker="o", label=f"{label} p50")
+            axis.plot(sizes, [p[2] for p in points], linestyle=":", alpha=0.6, label=f"{label} p99")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("entries per record call")
+        axis.set_ylabel("latency per call (µs)")
+        axis.set_title(f"record, {record_path} path")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    machine = result["machine"]
+    figure.suptitle(
+        f"{machine['cpu_model']}, {machine['cpu_count']} cores, "
+        f"Redis {machine['redis_version']}, Python {machine['python']}",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,177 @@
+"""One benchmark run: start (or take) a server, measure every case, compute ratios, write
+the markdown, JSON and plot. ``main`` is the command line shared by ``benchmarks/run.py`` and
+``rls bench``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from . import contention, external, memory, report, scaling
+from .baselines import Floor
+from .machine import describe
+from .scenarios import SyncCases, async_cases
+from .server import LocalRedis
+
+DEFAULT_SIZES = (1, 32, 512)
+DEFAULT_PENDING = (0, 1, 61)
+DEFAULT_ITERATIONS = 2000
+DEFAULT_WARMUP = 200
+DEFAULT_PROCESSES = 4
+DEFAULT_DURATION_S = 3.0
+DEFAULT_CONTENTION_BATCHES = (1, 32)
+DEFAULT_OUT = Path("benchmarks/results")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure and how long; the defaults are the published run."""
+
+    redis_url: str | None = None  # None: start a redis-server of our own
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    pending: tuple[int, ...] = DEFAULT_PENDING
+    iterations: int = DEFAULT_ITERATIONS
+    warmup: int = DEFAULT_WARMUP
+    processes: int = DEFAULT_PROCESSES
+    duration_s: float = DEFAULT_DURATION_S
+    contention_batches: tuple[int, ...] = DEFAULT_CONTENTION_BATCHES
+    redis_benchmark_requests: int = 20000
+    memory_slots: int = 512
+    with_async: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
+    client = redis.Redis.from_url(url)
+    try:
+        info = client.info("server")
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        sync = SyncCases(url, config.iterations, config.warmup)
+        latency = []
+        try:
+            for path in ("buffered", "delivered"):
+                for size in config.sizes:
+                    latency += sync.record(size, path)
+            for pending in config.pending:
+                latency += sync.register(pending)
+            latency += sync.finish()
+            floor_sha = sync.floor.sha
+        finally:
+            sync.close()
+        if config.with_async:
+            latency += asyncio.run(async_cases(url, config.sizes, config.iterations, config.warmup))
+        contended = [
+            contention.contend(kind, url, config.processes, batch, config.duration_s)
+            for batch in config.contention_batches
+            for kind in ("ours", "naive", "floor")
+        ]
+        namespace = f"bench-mem-{uuid.uuid4().hex[:8]}"
+        slots = config.memory_slots
+        result: dict[str, Any] = {
+            "started_at": started,
+            "machine": describe(info),
+            "config": {
+                "sizes": list(config.sizes),
+                "pending": list(config.pending),
+                "iterations": config.iterations,
+                "warmup": config.warmup,
+                "processes": config.processes,
+                "duration_s": config.duration_s,
+                "contention_batches": list(config.contention_batches),
+                "own_server": config.redis_url is None,
+            },
+            "latency": [case.as_dict() for case in latency],
+            "contention": contended,
+            "scaling": {
+                "record_per_entry": scaling.record_per_entry(url, config.sizes),
+                "record_vs_elsewhere": scaling.record_vs_elsewhere(url),
+                "register_vs_pending": scaling.register_vs_pending(url, config.pending),
+            },
+            "memory": {
+                "pending": [
+                    memory.pending_bytes(url, namespace, slots, 1),
+                    memory.pending_bytes(url, namespace, slots, memory.LAYERS_FULL),
+                ],
+                "tasks": [memory.task_bytes(url, namespace, slots)],
+                "reply": memory.reply_bytes(url, namespace),
+            },
+            "redis_benchmark": external.run(url, config.redis_benchmark_requests, floor_sha),
+        }
+    finally:
+        client.close()
+    values = report.ratios(result)
+    result["ratios"] = values
+    result["targets"] = report.check(values)
+    return result
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    """Measure everything on ``config.redis_url``, or on a redis-server started for the run."""
+    if config.redis_url is not None:
+        return _measure(config.redis_url, config)
+    with LocalRedis() as url:
+        return _measure(url, config)
+
+
+def write(result: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
+    """results.json, results.md and (with matplotlib) latency_vs_batch.png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "results.md"]
+    written[0].write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    written[1].write_text(report.markdown(result))
+    if plot:
+        from .plot import latency_vs_batch
+
+        written.append(latency_vs_batch(result, out / "latency_vs_batch.png"))
+    return written
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(prog="rls bench", description="Benchmark the buffer against its baselines.")
+    cli.add_argument("--redis", dest="redis_url", help="use this server instead of starting one (its data is kept)")
+    cli.add_argument("--sizes", type=_ints, default=DEFAULT_SIZES, help="record batch sizes, e.g. 1,32,512")
+    cli.add_argument("--pending", type=_ints, default=DEFAULT_PENDING, help="pending layers for register")
+    cli.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS)
+    cli.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
+    cli.add_argument("--processes", type=int, default=DEFAULT_PROCESSES)
+    cli.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="seconds per contention run")
+    cli.add_argument("--contention-batches", type=_ints, default=DEFAULT_CONTENTION_BATCHES)
+    cli.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for results.{json,md} and the plot")
+    cli.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown")
+    cli.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    return cli
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    config = BenchConfig(
+        redis_url=args.redis_url,
+        sizes=args.sizes,
+        pending=args.pending,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        processes=args.processes,
+        duration_s=args.duration,
+        contention_batches=args.contention_batches,
+    )
+    result = run(config)
+    write(result, args.out, plot=not args.no_plot)
+    sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n" if args.json else report.markdown(result))
+    return 0
+
+
+__all__ = ["BenchConfig", "Floor", "main", "run", "write"]

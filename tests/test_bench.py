@@ -1,0 +1,129 @@
+"""Smoke test of the benchmark at tiny sizes: the output has its structure and every ratio is
+computed from the numbers measured in the same run. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from redis_layer_signals.bench import BenchConfig, run
+from redis_layer_signals.bench.report import TARGETS, check, markdown
+from redis_layer_signals.bench.runner import write
+from tests.servers import RedisServer
+
+IMPLS = {"ours", "floor", "naive", "dict"}
+
+
+@pytest.fixture(scope="module")
+def result(redis_server: RedisServer) -> dict[str, Any]:
+    config = BenchConfig(
+        redis_url=redis_server.url,
+        sizes=(1, 3),
+        pending=(0, 2),
+        iterations=6,
+        warmup=1,
+        processes=2,
+        duration_s=0.2,
+        contention_batches=(2,),
+        redis_benchmark_requests=200,
+        memory_slots=8,
+    )
+    return run(config)
+
+
+def _case(result: dict[str, Any], **match: Any) -> dict[str, Any]:
+    found = [c for c in result["latency"] if all(c[k] == v for k, v in match.items())]
+    assert len(found) == 1, match
+    return found[0]
+
+
+def test_every_case_is_measured_for_every_implementation(result: dict[str, Any]) -> None:
+    for path in ("buffered", "delivered"):
+        for size in (1, 3):
+            assert {
+                c["impl"]
+                for c in result["latency"]
+                if c["mode"] == "sync" and c["op"] == "record" and c["path"] == path and c["size"] == size
+            } == IMPLS
+            assert {
+                c["impl"]
+                for c in result["latency"]
+                if c["mode"] == "async" and c["op"] == "record" and c["path"] == path and c["size"] == size
+            } == {"ours", "floor"}
+    for pending in ("0", "2"):
+        assert {
+            c["impl"]
+            for c in result["latency"]
+            if c["op"] == "register" and c["mode"] == "sync" and c["path"] == pending
+        } == IMPLS
+    for case in result["latency"]:
+        assert case["calls"] > 0 and 0 < case["p50_us"] <= case["p99_us"], case
+        assert case["throughput"] > 0
+
+
+def test_ratios_are_computed_from_the_measured_medians(result: dict[str, Any]) -> None:
+    ours = _case(result, mode="sync", op="record", path="delivered", size=3, impl="ours")
+    floor = _case(result, mode="sync", op="record", path="delivered", size=3, impl="floor")
+    naive = _case(result, mode="sync", op="record", path="delivered", size=3, impl="naive")
+    assert result["ratios"]["record.delivered.3.ours/floor"] == pytest.approx(ours["p50_us"] / floor["p50_us"])
+    assert result["ratios"]["record.delivered.3.ours/naive"] == pytest.approx(ours["p50_us"] / naive["p50_us"])
+    register = _case(result, mode="sync", op="register", path="2", impl="ours")
+    register_floor = _case(result, mode="sync", op="register", path="2", impl="floor")
+    assert result["ratios"]["register.2.ours/floor"] == pytest.approx(register["p50_us"] / register_floor["p50_us"])
+
+
+def test_contention_throughput_ratios_come_from_the_worker_counts(result: dict[str, Any]) -> None:
+    rows = {row["impl"]: row for row in result["contention"]}
+    assert set(rows) == {"ours", "naive", "floor"}
+    for row in rows.values():
+        assert row["processes"] == 2 and row["calls"] > 0
+        assert row["throughput"] == pytest.approx(row["calls"] * row["batch"] / row["elapsed_s"])
+    assert result["ratios"]["contention.ours/naive"] == pytest.approx(
+        rows["ours"]["throughput"] / rows["naive"]["throughput"]
+    )
+
+
+def test_server_cost_and_memory_are_reported(result: dict[str, Any]) -> None:
+    assert [row["entries"] for row in result["scaling"]["record_per_entry"]] == [1, 3]
+    assert all(row["server_us_per_call"] > 0 for row in result["scaling"]["record_per_entry"])
+    assert [row["pending_layers"] for row in result["scaling"]["register_vs_pending"]] == [0, 2]
+    pending = result["memory"]["pending"]
+    assert [(row["slots"], row["layers"]) for row in pending] == [(8, 1), (8, 61)]
+    assert all(row["per_signal"] == pytest.approx(row["bytes"] / row["signals"]) for row in pending)
+    assert result["ratios"]["memory.bytes_per_pending_signal"] == max(row["per_signal"] for row in pending)
+    assert {row["command"] for row in result["redis_benchmark"]} >= {"PING", "SET"}
+    assert result["machine"]["redis_version"].startswith(("6.", "7.", "8."))
+
+
+def test_targets_follow_the_ratios(result: dict[str, Any]) -> None:
+    assert [row["name"] for row in result["targets"]] == [name for name, _, _ in TARGETS]
+    for row in result["targets"]:
+        value = result["ratios"].get(row["name"])
+        assert row["value"] == value
+        if value is not None:
+            assert row["met"] == (value <= row["limit"] if row["comparison"] == "<=" else value >= row["limit"])
+
+
+def test_check_marks_a_missed_limit_and_an_unmeasured_one() -> None:
+    rows = {row["name"]: row for row in check({"record.buffered.1.ours/floor": 1.31, "contention.ours/naive": 5.0})}
+    assert rows["record.buffered.1.ours/floor"]["met"] is False
+    assert rows["contention.ours/naive"]["met"] is True
+    assert rows["finish.ours/floor"]["met"] is None
+
+
+def test_written_outputs_are_json_markdown_and_png(result: dict[str, Any], tmp_path: Path) -> None:
+    paths = write(result, tmp_path)
+    assert json.loads(paths[0].read_text())["ratios"] == result["ratios"]
+    text = paths[1].read_text()
+    assert text == markdown(result) and "| target | measured | limit | met |" in text
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_package_imports_without_matplotlib() -> None:
+    code = "import sys, redis_layer_signals.bench; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
