@@ -3,6 +3,7 @@ install into a clean virtual environment (memory:// included: it is the default 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -46,7 +47,10 @@ def test_wheel_ships_lua_and_works_in_a_clean_venv(tmp_path: Path, redis_server:
     subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=600)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
+    clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     for url in ("memory://", redis_server.url):  # type: ignore[attr-defined]
-        done = subprocess.run([str(python), "-c", SMOKE, url], cwd=outside, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [str(python), "-c", SMOKE, url], cwd=outside, env=clean_env, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("ok ")
