@@ -4,6 +4,7 @@ the seeded workload, independently of the run."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -12,6 +13,7 @@ from redis_layer_signals.errors import InvalidConfig
 from redis_layer_signals.models import CacheTask, FinishResult, RecordResult, RegisterResult
 from redis_layer_signals.simulate import Mode, SimConfig, Summary, simulate
 from redis_layer_signals.simulate import runner as sim_runner
+from redis_layer_signals.simulate.channels import REGISTRAR, inbox_key
 from redis_layer_signals.simulate.modes import LocalHandoff
 from redis_layer_signals.simulate.workload import Request, workload
 from tests.servers import RedisServer
@@ -68,6 +70,31 @@ def test_simulate_on_real_redis_with_a_process_per_rank_leaves_only_counters(
     assert left and all(k.endswith(":stats") or (":reply:" in k and client.pttl(k) > 0) for k in left), left
     counted = [int(client.hget(k, f) or 0) for k in left if k.endswith(":stats") for f in ("delivered", "buffered")]
     assert sum(counted) == summary.signals
+
+
+def test_tasks_left_on_the_shared_registrar_list_by_an_earlier_run_do_not_reach_a_new_run(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    client = redis_server.client()
+    shared = inbox_key(namespace, *REGISTRAR)
+    stale = {
+        "kind": "task",
+        "instance": "p0",
+        "rank": 0,
+        "slot": 0,
+        "request_id": "old-run-req",
+        "need": 1,
+        "layers": 1,
+        "delay_ms": 0,
+        "reply_to": inbox_key(namespace, "p0", 0),
+    }
+    client.rpush(shared, json.dumps(stale))
+    config = SimConfig(
+        url=redis_server.url, namespace=namespace, instances=1, ranks=1, requests=4, layers=3, timeout_s=120
+    )
+    summary = simulate(config)
+    assert summary.violations == [] and summary.completed + summary.aborted == 4
+    assert client.llen(shared) == 1  # still there for whichever `rls registrar` serves the namespace
 
 
 def test_drop_baseline_hangs_every_request_whose_task_came_after_its_first_signal() -> None:
