@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,6 +108,11 @@ def test_env_variables_stand_in_for_redis_and_namespace(
     assert json.loads(done.stdout)["buffered"] == 3
 
 
+def command_calls(client: Any) -> dict[str, int]:
+    """Calls per command since the server started (INFO commandstats)."""
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in client.info("commandstats").items()}
+
+
 def test_purge_refuses_without_yes_and_removes_only_its_namespace(redis_server: RedisServer, namespace: str) -> None:
     keep, gone = f"{namespace}-keep", f"{namespace}-go"
     for ns in (keep, gone):
@@ -125,8 +131,12 @@ def test_purge_refuses_without_yes_and_removes_only_its_namespace(redis_server: 
     assert refused.returncode != 0 and "without --yes" in refused.stderr
     assert len(keys_of(gone)) == before > 0
 
+    calls_before = command_calls(client)
     done = rls("purge", "--redis", redis_server.url, "--namespace", gone, "--yes")
     assert done.returncode == 0, done.stderr
+    calls = {name: n - calls_before.get(name, 0) for name, n in command_calls(client).items()}
+    assert calls.get("scan", 0) > 0
+    assert not {"keys", "flushdb", "flushall"} & {name for name, n in calls.items() if n > 0}
     assert f"purged {before} keys" in done.stdout
     assert keys_of(gone) == []
     assert len(keys_of(keep)) == before  # a namespace that shares the prefix is untouched
