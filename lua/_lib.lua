@@ -15,18 +15,22 @@
 -- Hashes that scripts read with one HMGET per batch (live, pending) are created with the
 -- HASHTABLE field below: its value is longer than hash-max-listpack-value, so Redis keeps them
 -- in hashtable encoding, where HMGET costs O(1) per field instead of a scan of the listpack.
+-- In the pending hash the marker's value starts with "<longest pending TTL in ms>|": while a
+-- record uses no longer TTL, a slot that already holds records needs no expiry ZADD.
 --
 -- The expiry zset indexes groups of EXPIRY_GROUP slots (member: slot // EXPIRY_GROUP), scored
 -- by a time at or before the group's earliest pending deadline. Groups, not slots, keep the
 -- zset small (listpack-encoded for up to 1024 slots); a score left early by a pop is only a
 -- visit the sweep makes for nothing, and the sweep then writes the exact score back.
 
+local find, sub, format, match = string.find, string.sub, string.format, string.match
+
 local HASHTABLE_FIELD = '~'
 local HASHTABLE_VALUE = 'kept longer than hash-max-listpack-value (64) so HMGET stays O(1) per field'
 local EXPIRY_GROUP = 8
 
 local function fmt(n)
-  return string.format('%d', n)
+  return format('%d', n)
 end
 
 -- Milliseconds now: the client's clock when it sent one (tests), else the server's TIME.
@@ -72,21 +76,29 @@ local function ensure_ttl(key, before, ttl_ms, slack_ms)
   return false
 end
 
--- HSET field/value pairs into a hash read by batched HMGET, creating it in hashtable encoding.
--- Returns the PTTL the key had before the write (-2 when this call created it).
-local function hset_batch(key, pairs_list)
+-- HSET field/value pairs into a hash read by batched HMGET, creating it in hashtable encoding
+-- (with `marker` as the marker's value, default HASHTABLE_VALUE). Returns the PTTL the key had
+-- before the write (-2 when this call created it).
+local function hset_batch(key, pairs_list, marker)
   local before = redis.call('PTTL', key)
   if before == -2 then
     pairs_list[#pairs_list + 1] = HASHTABLE_FIELD
-    pairs_list[#pairs_list + 1] = HASHTABLE_VALUE
+    pairs_list[#pairs_list + 1] = marker or HASHTABLE_VALUE
   end
   redis.call('HSET', key, unpack(pairs_list))
   return before
 end
 
--- Remove a hash that only holds the encoding marker, so a released rank leaves no keys.
+-- A lease deadline as the live hash stores it: fixed width, so record compares it with the
+-- current time as a string, without converting every holder of a batch to a number.
+local function lease(ms)
+  return format('%016d', ms)
+end
+
+-- Remove a hash that only holds the encoding marker, so a released rank leaves no keys (the
+-- scripts create these hashes with the marker, so one field left is the marker).
 local function drop_if_empty(key, also)
-  if redis.call('HLEN', key) <= 1 and redis.call('HEXISTS', key, HASHTABLE_FIELD) == 1 then
+  if redis.call('HLEN', key) <= 1 then
     if also then
       redis.call('DEL', key, also)
     else
@@ -102,8 +114,8 @@ local function parse_holder(value, now)
   if not value then
     return nil, false
   end
-  local bar = string.find(value, '|', 1, true)
-  return string.sub(value, 1, bar - 1), tonumber(string.sub(value, bar + 1)) > now
+  local bar = find(value, '|', 1, true)
+  return sub(value, 1, bar - 1), tonumber(sub(value, bar + 1)) > now
 end
 
 -- Remove one slot's pending field; when the rank has no pending signals left, drop the hash

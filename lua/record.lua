@@ -9,6 +9,7 @@
 -- ARGV[3] pending_ttl_ms                   ARGV[4] pending key TTL in ms (pending_ttl + grace)
 -- ARGV[5] reply_ttl_ms                     ARGV[6] sweep limit (slots per run)
 -- ARGV[7] entries, packed "slot,tokens,request_id;" (request_id empty when unknown)
+-- ARGV[8] "1" when some entry carries a request id, else "0"
 --
 -- Reply: "ok|<now_ms>|<flags>", one flag per entry in order: D delivered (the slot has a live
 -- task of this request, or of any request when the signal carries none), B buffered.
@@ -16,8 +17,8 @@
 -- Guarantees: the liveness check and the buffering happen in this one script, so a signal is
 -- either delivered here or buffered, never both and never neither. A resend with the same
 -- token returns the first reply and writes nothing new. One HMGET of live, and for buffered
--- entries one HMGET, one HSET and one ZADD, whatever the batch size; each entry costs one
--- plain find in its slot's packed records, not a decode of them. Counters: delivered,
+-- entries one HMGET, one HSET and at most one ZADD, whatever the batch size; each
+-- entry costs one plain find in its slot's packed records, not a decode of them. Counters: delivered,
 -- buffered, superseded ("recorded" is their first two summed by the reader). One pending record per slot
 -- and layer (newest wins, the older counted as superseded, also within one batch).
 
@@ -31,7 +32,8 @@ end
 
 local now = now_ms(ARGV[1])
 local layer = ARGV[2]
-local deadline = now + tonumber(ARGV[3])
+local ttl = tonumber(ARGV[3])
+local deadline = now + ttl
 local at = fmt(now)
 
 sweep(pending_key, expiry_key, stats_key, now, tonumber(ARGV[6]))
@@ -45,19 +47,20 @@ end
 
 local holders = redis.call('HMGET', live_key, unpack(slots))
 
+-- Delivered when the slot's lease runs (fixed-width deadlines compare as strings) and the
+-- entry names no request or the holder's; request ids are only looked at when sent.
+local now16 = lease(now)
+local with_rids = ARGV[8] == '1'
 local flags = {}
 local buffered = {}
 local nbuffered = 0
 for i = 1, n do
   local holder = holders[i]
-  local delivered = false
-  if holder then
-    local bar = string.find(holder, '|', 1, true)
-    if tonumber(string.sub(holder, bar + 1)) > now then
-      local tail = tails[i]
-      local rid = string.sub(tail, string.find(tail, ',', 1, true) + 1)
-      delivered = rid == '' or rid == string.sub(holder, 1, bar - 1)
-    end
+  local delivered = holder and sub(holder, -16) > now16
+  if delivered and with_rids then
+    local tail = tails[i]
+    local rid = sub(tail, find(tail, ',', 1, true) + 1)
+    delivered = rid == '' or rid == sub(holder, 1, -18)
   end
   if delivered then
     flags[i] = 'D'
@@ -72,16 +75,39 @@ local superseded = 0
 if nbuffered > 0 then
   -- Distinct slots in first-seen order; a slot twice in one batch keeps its newest entry.
   local index, order = {}, {}
+  local norder = 0
   for k = 1, nbuffered do
     local slot = slots[buffered[k]]
     if not index[slot] then
-      order[#order + 1] = slot
-      index[slot] = #order
+      norder = norder + 1
+      order[norder] = slot
+      index[slot] = norder
     end
   end
+  order[norder + 1] = HASHTABLE_FIELD
   local values = redis.call('HMGET', pending_key, unpack(order))
+  order[norder + 1] = nil
+  -- A slot that holds records has its group indexed no later than its earliest deadline; with
+  -- the server's clock and no TTL longer than the rank's longest so far, this record's deadline
+  -- is not earlier, so only new slots need a ZADD. An injected clock may go back: always ZADD.
+  local longest = tonumber(match(values[norder + 1] or '', '^(%d+)|'))
+  local all_new = ARGV[1] ~= '' or longest == nil or ttl > longest
   local marker = ';' .. layer .. ','
-  local suffix = ',' .. at .. ',' .. fmt(deadline)
+  local dl = fmt(deadline)
+  local suffix = ',' .. at .. ',' .. dl
+  local hset, zadd, groups = {}, {'LT'}, {}
+  local nzadd = 1
+  for j = 1, norder do
+    if all_new or not values[j] then
+      local group = math.floor(tonumber(order[j]) / EXPIRY_GROUP)
+      if not groups[group] then
+        groups[group] = true
+        zadd[nzadd + 1] = dl
+        zadd[nzadd + 2] = fmt(group)
+        nzadd = nzadd + 2
+      end
+    end
+  end
   for k = 1, nbuffered do
     local i = buffered[k]
     local j = index[slots[i]]
@@ -90,32 +116,35 @@ if nbuffered > 0 then
     if not value then
       values[j] = rec
     else
-      local start = string.find(value, marker, 1, true)
+      local start = find(value, marker, 1, true)
       if start then
-        local stop = string.find(value, ';', start + 1, true)
-        values[j] = string.sub(value, 1, start - 1) .. rec .. (stop and string.sub(value, stop) or '')
+        local stop = find(value, ';', start + 1, true)
+        if stop then
+          values[j] = sub(value, 1, start - 1) .. rec .. sub(value, stop)
+        else
+          values[j] = sub(value, 1, start - 1) .. rec
+        end
         superseded = superseded + 1
       else
         values[j] = value .. rec
       end
     end
   end
-  local hset, zadd, groups = {}, {'LT'}, {}
-  for j, slot in ipairs(order) do
-    hset[2 * j - 1] = slot
+  for j = 1, norder do
+    hset[2 * j - 1] = order[j]
     hset[2 * j] = values[j]
-    local group = group_of(slot)
-    if not groups[group] then
-      groups[group] = true
-      zadd[#zadd + 1] = fmt(deadline)
-      zadd[#zadd + 1] = group
-    end
+  end
+  if longest == nil or ttl > longest then
+    hset[2 * norder + 1] = HASHTABLE_FIELD
+    hset[2 * norder + 2] = fmt(ttl) .. '|' .. HASHTABLE_VALUE
   end
   -- The expiry index lives and dies with the pending hash, so one PTTL serves both.
   local key_ttl = tonumber(ARGV[4])
-  local before = hset_batch(pending_key, hset)
-  redis.call('ZADD', expiry_key, unpack(zadd))
-  if ensure_ttl(pending_key, before, key_ttl, (key_ttl - tonumber(ARGV[3])) / 2) then
+  local before = hset_batch(pending_key, hset, fmt(ttl) .. '|' .. HASHTABLE_VALUE)
+  if nzadd > 1 then
+    redis.call('ZADD', expiry_key, unpack(zadd))
+  end
+  if ensure_ttl(pending_key, before, key_ttl, (key_ttl - ttl) / 2) then
     redis.call('PEXPIRE', expiry_key, key_ttl)
   end
 end

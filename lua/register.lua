@@ -9,7 +9,7 @@
 -- ARGV[1] now_ms (empty: server TIME)   ARGV[2] slot            ARGV[3] request_id
 -- ARGV[4] need_prefill_tokens           ARGV[5] num_layers      ARGV[6] task document
 -- ARGV[7] task_ttl_ms                   ARGV[8] reply_ttl_ms    ARGV[9] replace ("1" or "0")
--- ARGV[10] sweep limit
+-- ARGV[10] sweep limit                  ARGV[11] live/tasks key TTL in ms (task_ttl + grace)
 --
 -- Reply: "<status>|<now_ms>|<payload>"
 --   ok       payload = popped signals sorted by layer, "layer,tokens,request_id,recorded_at,reason;"
@@ -95,10 +95,11 @@ if stored then
 end
 
 -- live and tasks gain and lose their fields together, so one PTTL serves both.
-local before = hset_batch(live_key, {slot, request_id .. '|' .. fmt(now + task_ttl)})
+local before = hset_batch(live_key, {slot, request_id .. '|' .. lease(now + task_ttl)})
 redis.call('HSET', tasks_key, slot, ARGV[6], slot .. ':recovery', payload)
-if ensure_ttl(live_key, before, task_ttl, 0) then
-  redis.call('PEXPIRE', tasks_key, task_ttl)
+local key_ttl = tonumber(ARGV[11])
+if ensure_ttl(live_key, before, key_ttl, (key_ttl - task_ttl) / 2) then
+  redis.call('PEXPIRE', tasks_key, key_ttl)
 end
 
 redis.call('HINCRBY', stats_key, 'registered', 1)

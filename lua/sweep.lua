@@ -9,8 +9,8 @@
 --
 -- Guarantees: each expired signal is counted once under "expired" and removed in the same
 -- script; at most ARGV[2] slots' worth of groups with expired signals are visited (see sweep in
--- _lib.lua), so a caller loops while the reply is not zero.
--- record, register and finish run the same sweep on their own rank; this script lets a reader
--- (stats, an operator) count expiries on a rank that has gone quiet.
+-- _lib.lua), so a caller loops while the reply is not zero. record, register and finish
+-- run the same sweep on their own rank; this script lets a reader (stats, an
+-- operator) count expiries on a rank that has gone quiet.
 
 return sweep(KEYS[1], KEYS[2], KEYS[3], now_ms(ARGV[1]), tonumber(ARGV[2]))

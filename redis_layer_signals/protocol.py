@@ -9,16 +9,18 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
 from . import validation
 from .config import BufferConfig
 from .constants import (
+    MAX_BATCH,
     MAX_INT,
     PENDING_KEY_GRACE_S,
     REPLY_GRACE_S,
     SWEEP_LIMIT,
+    TASK_KEY_GRACE_S,
 )
 from .errors import InvalidSignal, InvalidTask, SlotOccupied
 from .keys import KeySpace, RankKeys
@@ -65,6 +67,64 @@ def _ms(seconds: float) -> str:
     return str(max(1, round(seconds * 1000)))
 
 
+_SIGNAL_FIELDS = ("instance", "rank", "slot", "layer", "tokens", "request_id", "recorded_at_ms")
+_FAST_SIGNALS = tuple(f.name for f in fields(LayerSignal)) == _SIGNAL_FIELDS and "__slots__" not in vars(LayerSignal)
+"""Whether :func:`split_signals` may fill LayerSignal's ``__dict__`` directly: only while the
+dataclass has exactly these fields and no slots (checked once, at import)."""
+
+
+def split_signals(
+    instance: str, rank: int, layer: int, at: int, batch: Sequence[tuple[Any, ...]], flags: str
+) -> tuple[list[LayerSignal], list[LayerSignal]]:
+    """The batch's signals split by the script's flags (D delivered, B buffered), in order.
+
+    A 512-entry batch makes 512 frozen dataclasses, whose ``__init__`` sets each field through
+    ``object.__setattr__``: 0.5 ms, more than the call's round trip. Filling ``__dict__`` builds
+    the same objects (equal, hashable, immutable) in a quarter of the time.
+    """
+    delivered: list[LayerSignal] = []
+    buffered: list[LayerSignal] = []
+    if len(flags) != len(batch):
+        raise ValueError(f"record reply has {len(flags)} flags for {len(batch)} entries")
+    if not _FAST_SIGNALS:
+        for entry, flag in zip(batch, flags, strict=True):
+            rid = entry[2] if len(entry) > 2 else None
+            signal = LayerSignal(instance, rank, entry[0], layer, entry[1], rid, at)
+            (delivered if flag == "D" else buffered).append(signal)
+        return delivered, buffered
+    new = object.__new__
+    common = {"instance": instance, "rank": rank, "layer": layer, "recorded_at_ms": at}
+    for entry, flag in zip(batch, flags, strict=True):
+        signal = new(LayerSignal)
+        state = signal.__dict__
+        state.update(common)
+        state["slot"] = entry[0]
+        state["tokens"] = entry[1]
+        state["request_id"] = entry[2] if len(entry) > 2 else None
+        (delivered if flag == "D" else buffered).append(signal)
+    return delivered, buffered
+
+
+def plain_batch(raw: Any, max_slots: int) -> list[tuple[int, int]] | None:
+    """``raw`` itself when it is the common batch, a list of ``(slot, tokens)`` tuples of plain
+    ints in range; else None, and :func:`validation.entries` checks it (and names what is wrong).
+
+    The full check builds a field name per entry for its error messages; on a 512-entry batch
+    that costs more than the round trip. This accepts a subset of what the full check accepts.
+    """
+    if type(raw) is not list or len(raw) > MAX_BATCH:
+        return None
+    for item in raw:
+        if type(item) is not tuple or len(item) != 2:
+            return None
+        slot, tokens = item
+        if type(slot) is not int or type(tokens) is not int:
+            return None
+        if not (0 <= slot < max_slots and 0 <= tokens < MAX_INT):
+            return None
+    return raw
+
+
 def parse_pending(instance: str, rank: int, slot: int, packed: str) -> list[LayerSignal]:
     """Decode one slot's packed pending records (layout in lua/_lib.lua), ordered by layer."""
     signals = []
@@ -84,6 +144,7 @@ class Protocol:
         self._pending_ttl = _ms(config.pending_ttl_s)
         self._pending_key_ttl = _ms(config.pending_ttl_s + PENDING_KEY_GRACE_S)
         self._task_ttl = _ms(config.task_ttl_s)
+        self._task_key_ttl = _ms(config.task_ttl_s + TASK_KEY_GRACE_S)
         self._reply_ttl = _ms(config.retry_s + REPLY_GRACE_S)
         self._sweep = str(SWEEP_LIMIT)
 
@@ -100,24 +161,37 @@ class Protocol:
     def record(self, instance: Any, rank: Any, layer: Any, entries: Iterable[Any]) -> Prepared[RecordResult]:
         keys = self.rank_keys(instance, rank, InvalidSignal)
         validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
-        batch = validation.entries(entries, self.config.max_slots)
+        plain = plain_batch(entries, self.config.max_slots)
+        batch: Sequence[tuple[Any, ...]]
+        with_rids = "0"
+        if plain is not None:
+            batch = plain
+            packed = "".join([f"{slot},{tokens},;" for slot, tokens in plain])
+        else:
+            batch = validation.entries(entries, self.config.max_slots)
+            packed = "".join([f"{slot},{tokens},{rid or ''};" for slot, tokens, rid in batch])
+            with_rids = "1" if any(rid for _slot, _tokens, rid in batch) else "0"
 
         def parse(reply: Any) -> RecordResult:
             _status, now, flags = _split(reply)
-            delivered: list[LayerSignal] = []
-            buffered: list[LayerSignal] = []
-            for (slot, tokens, rid), flag in zip(batch, flags, strict=True):
-                signal = LayerSignal(instance, rank, slot, layer, tokens, rid, now)
-                (delivered if flag == "D" else buffered).append(signal)
+            delivered, buffered = split_signals(instance, rank, layer, now, batch, flags)
             return RecordResult(delivered=delivered, buffered=buffered)
 
         if not batch:
             return Prepared("record", None, lambda _reply: RecordResult([], []))
-        packed = "".join(f"{slot},{tokens},{rid or ''};" for slot, tokens, rid in batch)
         call = ScriptCall(
             "record",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(secrets.token_hex(8))],
-            [self._now(), str(layer), self._pending_ttl, self._pending_key_ttl, self._reply_ttl, self._sweep, packed],
+            [
+                self._now(),
+                str(layer),
+                self._pending_ttl,
+                self._pending_key_ttl,
+                self._reply_ttl,
+                self._sweep,
+                packed,
+                with_rids,
+            ],
         )
         return Prepared("record", call, parse)
 
@@ -170,6 +244,7 @@ class Protocol:
                 self._reply_ttl,
                 "1" if replace else "0",
                 self._sweep,
+                self._task_key_ttl,
             ],
         )
         return Prepared("register", call, parse)
