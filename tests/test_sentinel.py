@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, SignalBuffer
+from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, InvalidConfig, SignalBuffer
+from redis_layer_signals.config import BufferConfig
 from redis_layer_signals.replication import NotReplicated
 from tests.servers import RedisServer
 from tests.topology import SentinelTopology
@@ -160,3 +161,16 @@ def test_acknowledged_write_the_replica_never_saw_is_lost_by_failover_and_wait_r
     assert plain.register(task()).recovered == []  # acknowledged, then lost with the old primary
     plain.close()
     waiting.close()
+
+
+def test_wait_replicas_comes_from_the_environment_and_bad_values_are_refused() -> None:
+    config = BufferConfig.resolve({"RLS_WAIT_REPLICAS": "2", "RLS_WAIT_TIMEOUT_MS": "250"})
+    assert (config.wait_replicas, config.wait_timeout_ms) == (2, 250)
+    assert BufferConfig.resolve({}, wait_replicas=1).wait_replicas == 1
+    with pytest.raises(InvalidConfig) as bad_env:
+        BufferConfig.resolve({"RLS_WAIT_REPLICAS": "one"})
+    assert bad_env.value.field == "RLS_WAIT_REPLICAS"
+    for field, value in (("wait_replicas", -1), ("wait_timeout_ms", 0), ("wait_replicas", True)):
+        with pytest.raises(InvalidConfig) as bad:
+            BufferConfig.resolve({}, **{field: value})
+        assert bad.value.field == field and bad.value.value is value

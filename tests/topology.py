@@ -221,7 +221,7 @@ class SentinelTopology:
         wait_until(lambda: self.replica_synced(self.replica), timeout=15, what="replica in sync")
         for sentinel in self.sentinels:
             sentinel.start()
-        wait_until(self.sentinels_agree, timeout=20, what="sentinels see the primary, replica and each other")
+        wait_until(self.sentinels_agree, timeout=40, what="sentinels see the primary, replica and each other")
         return self
 
     def current_primary_port(self) -> int:
@@ -281,8 +281,8 @@ class SentinelTopology:
             )
         finally:
             client.close()
-        wait_until(lambda: self.current_primary_port() != old, timeout=20, what="the sentinels promoting the replica")
-        wait_until(self.primary_agreed, timeout=20, what="the promoted replica answering as primary")
+        wait_until(lambda: self.current_primary_port() != old, timeout=30, what="the sentinels promoting the replica")
+        wait_until(self.primary_agreed, timeout=30, what="the promoted replica answering as primary")
         return self.current_primary_port()
 
     def role_of(self, server: RedisServer) -> str:
