@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, InvalidConfig, SignalBuffer
+from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, InvalidConfig, SignalBuffer, acl
 from redis_layer_signals.config import BufferConfig
 from redis_layer_signals.replication import NotReplicated
 from tests.servers import RedisServer
@@ -174,3 +174,20 @@ def test_wait_replicas_comes_from_the_environment_and_bad_values_are_refused() -
         with pytest.raises(InvalidConfig) as bad:
             BufferConfig.resolve({}, **{field: value})
         assert bad.value.field == field and bad.value.value is value
+
+
+def test_sentinel_url_carries_the_data_nodes_user_and_password(group: SentinelTopology, namespace: str) -> None:
+    user = f"rls-{namespace}"
+    for server in group.servers:  # ACL users are per server, not replicated
+        client = server.client()
+        client.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw-1", *acl.rules(namespace))
+        client.close()
+    hosts = group.url.split("://", 1)[1]
+    buf = SignalBuffer.from_url(f"redis+sentinel://{user}:pw-1@{hosts}", namespace=namespace, env={})
+    buf.record("p0", 0, 0, [(5, 100)])
+    assert [s.tokens for s in buf.register(task()).recovered] == [100]
+    buf.close()
+    wrong = SignalBuffer.from_url(f"redis+sentinel://{user}:nope@{hosts}", namespace=namespace, env={}, retry_s=0.3)
+    with pytest.raises(BufferUnavailable):
+        wrong.pending("p0", 0, 5)
+    wrong.close()
