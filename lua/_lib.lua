@@ -15,8 +15,11 @@
 -- Hashes that scripts read with one HMGET per batch (live, pending) are created with the
 -- HASHTABLE field below: its value is longer than hash-max-listpack-value, so Redis keeps them
 -- in hashtable encoding, where HMGET costs O(1) per field instead of a scan of the listpack.
--- In the pending hash the marker's value starts with "<longest pending TTL in ms>|": while a
--- record uses no longer TTL, a slot that already holds records needs no expiry ZADD.
+-- In the pending hash the marker's value is "<longest TTL>|<next due>|<key expires at>|...":
+-- while a record uses no longer TTL, a slot that already holds records needs no expiry ZADD;
+-- a call before <next due> (at or before the expiry index's earliest score) skips the sweep;
+-- a call well before <key expires at> (0 under an injected clock) skips the PTTL. The live
+-- hash's marker is "<key expires at>|...".
 --
 -- The expiry zset indexes groups of EXPIRY_GROUP slots (member: slot // EXPIRY_GROUP), scored
 -- by a time at or before the group's earliest pending deadline. Groups, not slots, keep the
@@ -63,30 +66,6 @@ local function encode_pending(records)
     parts[i] = ';' .. rec.layer .. ',' .. rec.tokens .. ',' .. rec.rid .. ',' .. rec.at .. ',' .. fmt(rec.deadline)
   end
   return table.concat(parts)
-end
-
--- Set a key's TTL to ttl_ms given its PTTL read before the write (-2: the write created it).
--- Refreshes only once less than ttl_ms - slack_ms is left, so a busy key is not re-expired on
--- every call, and never shortens a TTL another caller set longer (PEXPIRE GT needs Redis 7).
-local function ensure_ttl(key, before, ttl_ms, slack_ms)
-  if before < ttl_ms - slack_ms then
-    redis.call('PEXPIRE', key, ttl_ms)
-    return true
-  end
-  return false
-end
-
--- HSET field/value pairs into a hash read by batched HMGET, creating it in hashtable encoding
--- (with `marker` as the marker's value, default HASHTABLE_VALUE). Returns the PTTL the key had
--- before the write (-2 when this call created it).
-local function hset_batch(key, pairs_list, marker)
-  local before = redis.call('PTTL', key)
-  if before == -2 then
-    pairs_list[#pairs_list + 1] = HASHTABLE_FIELD
-    pairs_list[#pairs_list + 1] = marker or HASHTABLE_VALUE
-  end
-  redis.call('HSET', key, unpack(pairs_list))
-  return before
 end
 
 -- A lease deadline as the live hash stores it: fixed width, so record compares it with the
@@ -203,5 +182,40 @@ local function count(stats_key, field, n)
   if n > 0 then
     redis.call('HINCRBY', stats_key, field, n)
   end
+end
+
+local FAR = 9007199254740991
+
+-- The pending hash's marker, or nil when it has none (see the top of this file).
+local function read_meta(value)
+  if not value then
+    return nil
+  end
+  local longest, due, expires = match(value, '^(%d+)|(%d+)|(%d+)|')
+  if not longest then
+    return nil
+  end
+  return {longest = tonumber(longest), due = tonumber(due), expires = tonumber(expires)}
+end
+
+local function encode_meta(meta)
+  return fmt(meta.longest) .. '|' .. fmt(meta.due) .. '|' .. fmt(meta.expires) .. '|' .. HASHTABLE_VALUE
+end
+
+-- Sweep only when the marker says a deadline may have passed, then write the index's new
+-- earliest score into the marker. No marker: no pending hash (record creates both together,
+-- and the expiry index lives and dies with it), so nothing to expire. Returns whether it
+-- swept, so the caller reads again what the sweep may have changed.
+local function sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta)
+  if meta == nil or meta.due > now then
+    return false
+  end
+  sweep(pending_key, expiry_key, stats_key, now, limit)
+  local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
+  meta.due = first[2] and tonumber(first[2]) or FAR
+  if redis.call('EXISTS', pending_key) == 1 then
+    redis.call('HSET', pending_key, HASHTABLE_FIELD, encode_meta(meta))
+  end
+  return true
 end
 

@@ -1,6 +1,6 @@
 -- finish.lua: release a slot when its request is done (or aborted), fenced by request id.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease_deadline_ms"
+-- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"
 -- KEYS[2] tasks    hash  slot -> task document; "<slot>:recovery" -> its recovery
 -- KEYS[3] pending  hash  slot -> packed pending records (see _lib.lua)
 -- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
@@ -30,7 +30,11 @@ end
 local now = now_ms(ARGV[1])
 local slot, request_id = ARGV[2], ARGV[3]
 
-sweep(pending_key, expiry_key, stats_key, now, tonumber(ARGV[5]))
+local found = redis.call('HMGET', pending_key, slot, HASHTABLE_FIELD)
+local stored = found[1]
+if sweep_if_due(pending_key, expiry_key, stats_key, now, tonumber(ARGV[5]), read_meta(found[2])) then
+  stored = redis.call('HGET', pending_key, slot)
+end
 
 local reply
 local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now)
@@ -47,7 +51,7 @@ else
     redis.call('HINCRBY', stats_key, 'finished', 1)
   end
   local kept, dropped = {}, 0
-  for _, rec in ipairs(parse_pending(redis.call('HGET', pending_key, slot))) do
+  for _, rec in ipairs(parse_pending(stored)) do
     if rec.rid == '' or rec.rid == request_id then
       dropped = dropped + 1
     else

@@ -1,6 +1,6 @@
 -- record.lua: deliver or buffer one batch of layer signals of one instance and rank.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease_deadline_ms" of the slot's task
+-- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits" of the slot's task
 -- KEYS[2] pending  hash  slot -> packed pending records (see _lib.lua)
 -- KEYS[3] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
 -- KEYS[4] stats    hash  counters (no TTL)
@@ -36,8 +36,6 @@ local ttl = tonumber(ARGV[3])
 local deadline = now + ttl
 local at = fmt(now)
 
-sweep(pending_key, expiry_key, stats_key, now, tonumber(ARGV[6]))
-
 local slots, tails = {}, {}
 local n = 0
 for slot, tail in string.gmatch(ARGV[7], '([^,;]*),([^;]*);') do
@@ -72,7 +70,11 @@ for i = 1, n do
 end
 
 local superseded = 0
-if nbuffered > 0 then
+local limit = tonumber(ARGV[6])
+if nbuffered == 0 then
+  sweep(pending_key, expiry_key, stats_key, now, limit)
+else
+  local injected = ARGV[1] ~= ''
   -- Distinct slots in first-seen order; a slot twice in one batch keeps its newest entry.
   local index, order = {}, {}
   local norder = 0
@@ -86,12 +88,22 @@ if nbuffered > 0 then
   end
   order[norder + 1] = HASHTABLE_FIELD
   local values = redis.call('HMGET', pending_key, unpack(order))
+  local meta = read_meta(values[norder + 1])
+  if sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta) then
+    values = redis.call('HMGET', pending_key, unpack(order))
+    meta = read_meta(values[norder + 1])
+  end
   order[norder + 1] = nil
+  local changed = meta == nil
+  if meta == nil then
+    -- A hash without a marker is new (or older than markers): index every slot, sweep soon.
+    local existed = redis.call('EXISTS', pending_key) == 1
+    meta = {longest = ttl, due = existed and 0 or FAR, expires = 0}
+  end
   -- A slot that holds records has its group indexed no later than its earliest deadline; with
   -- the server's clock and no TTL longer than the rank's longest so far, this record's deadline
   -- is not earlier, so only new slots need a ZADD. An injected clock may go back: always ZADD.
-  local longest = tonumber(match(values[norder + 1] or '', '^(%d+)|'))
-  local all_new = ARGV[1] ~= '' or longest == nil or ttl > longest
+  local all_new = injected or changed or ttl > meta.longest
   local marker = ';' .. layer .. ','
   local dl = fmt(deadline)
   local suffix = ',' .. at .. ',' .. dl
@@ -134,17 +146,41 @@ if nbuffered > 0 then
     hset[2 * j - 1] = order[j]
     hset[2 * j] = values[j]
   end
-  if longest == nil or ttl > longest then
-    hset[2 * norder + 1] = HASHTABLE_FIELD
-    hset[2 * norder + 2] = fmt(ttl) .. '|' .. HASHTABLE_VALUE
+  if ttl > meta.longest then
+    meta.longest = ttl
+    changed = true
   end
-  -- The expiry index lives and dies with the pending hash, so one PTTL serves both.
+  if nzadd > 1 and deadline < meta.due then
+    meta.due = deadline
+    changed = true
+  end
+  -- The expiry index lives and dies with the pending hash: their TTLs are refreshed together.
   local key_ttl = tonumber(ARGV[4])
-  local before = hset_batch(pending_key, hset, fmt(ttl) .. '|' .. HASHTABLE_VALUE)
+  local floor_ttl = key_ttl - (key_ttl - ttl) / 2
+  local refresh
+  if injected then
+    refresh = redis.call('PTTL', pending_key) < floor_ttl
+    if meta.expires ~= 0 then
+      meta.expires = 0
+      changed = true
+    end
+  else
+    refresh = meta.expires - now < floor_ttl
+    if refresh then
+      meta.expires = now + key_ttl
+      changed = true
+    end
+  end
+  if changed then
+    hset[2 * norder + 1] = HASHTABLE_FIELD
+    hset[2 * norder + 2] = encode_meta(meta)
+  end
+  redis.call('HSET', pending_key, unpack(hset))
   if nzadd > 1 then
     redis.call('ZADD', expiry_key, unpack(zadd))
   end
-  if ensure_ttl(pending_key, before, key_ttl, (key_ttl - ttl) / 2) then
+  if refresh then
+    redis.call('PEXPIRE', pending_key, key_ttl)
     redis.call('PEXPIRE', expiry_key, key_ttl)
   end
 end

@@ -1,6 +1,6 @@
 -- register.lua: make a cache task the holder of its slot and hand it the slot's early signals.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease_deadline_ms"
+-- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"
 -- KEYS[2] tasks    hash  slot -> task document (opaque here); "<slot>:recovery" -> its reply
 -- KEYS[3] pending  hash  slot -> packed pending records (see _lib.lua)
 -- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
@@ -37,9 +37,14 @@ local slot, request_id = ARGV[2], ARGV[3]
 local need, num_layers = tonumber(ARGV[4]), tonumber(ARGV[5])
 local task_ttl = tonumber(ARGV[7])
 
-sweep(pending_key, expiry_key, stats_key, now, tonumber(ARGV[10]))
+local found = redis.call('HMGET', pending_key, slot, HASHTABLE_FIELD)
+local stored = found[1]
+if sweep_if_due(pending_key, expiry_key, stats_key, now, tonumber(ARGV[10]), read_meta(found[2])) then
+  stored = redis.call('HGET', pending_key, slot)
+end
 
-local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now)
+local live = redis.call('HMGET', live_key, slot, HASHTABLE_FIELD)
+local holder, alive = parse_holder(live[1], now)
 local status = 'ok'
 -- Every reply, refusals included, is kept under the token: a resend must not count twice.
 local function reply_with(reply)
@@ -60,7 +65,6 @@ if alive then
   redis.call('HINCRBY', stats_key, 'replaced', 1)
 end
 
-local stored = redis.call('HGET', pending_key, slot)
 local records = parse_pending(stored)
 table.sort(records, function(a, b) return tonumber(a.layer) < tonumber(b.layer) end)
 
@@ -94,11 +98,28 @@ if stored then
   clear_pending(pending_key, expiry_key, slot)
 end
 
--- live and tasks gain and lose their fields together, so one PTTL serves both.
-local before = hset_batch(live_key, {slot, request_id .. '|' .. lease(now + task_ttl)})
-redis.call('HSET', tasks_key, slot, ARGV[6], slot .. ':recovery', payload)
+-- live and tasks gain and lose their fields together, so their TTLs are refreshed together,
+-- once half the grace is used: the live marker says when (a PTTL under an injected clock).
 local key_ttl = tonumber(ARGV[11])
-if ensure_ttl(live_key, before, key_ttl, (key_ttl - task_ttl) / 2) then
+local floor_ttl = key_ttl - (key_ttl - task_ttl) / 2
+local hset = {slot, request_id .. '|' .. lease(now + task_ttl)}
+local refresh
+if ARGV[1] ~= '' then
+  refresh = redis.call('PTTL', live_key) < floor_ttl
+  if not live[2] then
+    hset[3], hset[4] = HASHTABLE_FIELD, '0|' .. HASHTABLE_VALUE
+  end
+else
+  local expires = tonumber(match(live[2] or '', '^(%d+)|'))
+  refresh = expires == nil or expires - now < floor_ttl
+  if refresh then
+    hset[3], hset[4] = HASHTABLE_FIELD, fmt(now + key_ttl) .. '|' .. HASHTABLE_VALUE
+  end
+end
+redis.call('HSET', live_key, unpack(hset))
+redis.call('HSET', tasks_key, slot, ARGV[6], slot .. ':recovery', payload)
+if refresh then
+  redis.call('PEXPIRE', live_key, key_ttl)
   redis.call('PEXPIRE', tasks_key, key_ttl)
 end
 
