@@ -45,7 +45,7 @@ def url(backend: str, request: pytest.FixtureRequest) -> str:
     return server.url
 
 
-# --- topologies (Cluster, Sentinel): started once per session, see tests/topology.py ---------
+# --- topologies (Cluster, Sentinel): started once per test run, see tests/topology.py --------
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Sentinel: the client follows a new primary (SENTINEL FAILOVER and a killed primary), what
 asynchronous replication can still lose, and what ``wait_replicas`` (WAIT) changes about it.
 
-One session-wide group (one primary, one replica, three sentinels, AOF always); every test
+One group for the whole test run (one primary, one replica, three sentinels, AOF always); every test
 leaves it settled: one primary, one synced replica, sentinels agreeing."""
 
 from __future__ import annotations
