@@ -18,7 +18,7 @@ from typing import Any
 
 from redis.exceptions import AskError, ConnectionError, MovedError, NoScriptError, TimeoutError
 
-from .errors import SignalBufferError
+from .errors import InvalidConfig, SignalBufferError
 from .protocol import ScriptCall
 from .scripts import Script
 
@@ -99,8 +99,8 @@ async def async_run_and_wait(
     client: Any, script: Script, call: ScriptCall, operation: str, wanted: int, timeout_ms: int
 ) -> Any:
     """:func:`run_and_wait` for redis.asyncio (single server or Sentinel)."""
-    if _is_cluster(client):
-        raise NotImplementedError("wait_replicas on an asyncio Redis Cluster client")
+    if _is_cluster(client):  # raised before anything is sent
+        raise InvalidConfig("wait_replicas", wanted, "is not supported on an asyncio Redis Cluster client yet")
     results = await _async_pipelined(client, script, call, wanted, timeout_ms)
     if isinstance(results[-2], NoScriptError):
         await client.script_load(script.text)

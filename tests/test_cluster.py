@@ -6,6 +6,7 @@ The behaviour suite itself runs here too: ``cluster`` is a backend of the ``buf`
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from redis.cluster import key_slot
 
-from redis_layer_signals import CacheTask, SignalBuffer
+from redis_layer_signals import AsyncSignalBuffer, CacheTask, InvalidConfig, SignalBuffer
 from redis_layer_signals.keys import KeySpace
 from tests.churn import churn_during
 from tests.servers import RedisServer, wait_until
@@ -167,3 +168,19 @@ def test_slot_migrated_while_calls_run_is_followed_and_nothing_is_delivered_twic
     buf = SignalBuffer.from_url(replicated.url, namespace=namespace, env={})
     assert_every_signal_accounted_once(logs, buf)
     buf.close()
+
+
+def test_async_cluster_with_wait_replicas_is_refused_before_anything_is_sent(
+    cluster: ClusterTopology, namespace: str
+) -> None:
+    async def scenario() -> None:
+        abuf = AsyncSignalBuffer.from_url(cluster.url, namespace=namespace, env={}, wait_replicas=1)
+        try:
+            with pytest.raises(InvalidConfig) as refused:
+                await abuf.record("p0", 0, 0, [(5, 100)])
+            assert refused.value.field == "wait_replicas"
+            assert await abuf.pending("p0", 0, 5) == []
+        finally:
+            await abuf.close()
+
+    asyncio.run(scenario())
