@@ -36,11 +36,18 @@ local ttl = tonumber(ARGV[3])
 local deadline = now + ttl
 local at = fmt(now)
 
+-- Slots as strings (HMGET wants them), the rest of each entry as a position: its text is cut
+-- out only for entries that need it (buffered, or checked against a request id).
+local packed = ARGV[7]
 local slots, tails = {}, {}
 local n = 0
-for slot, tail in string.gmatch(ARGV[7], '([^,;]*),([^;]*);') do
+for slot, tail in string.gmatch(packed, '([^,;]*),()[^;]*;') do
   n = n + 1
   slots[n], tails[n] = slot, tail
+end
+local function tail_of(i)
+  local from = tails[i]
+  return sub(packed, from, find(packed, ';', from, true) - 1)
 end
 
 local holders = redis.call('HMGET', live_key, unpack(slots))
@@ -56,7 +63,7 @@ for i = 1, n do
   local holder = holders[i]
   local delivered = holder and sub(holder, -16) > now16
   if delivered and with_rids then
-    local tail = tails[i]
+    local tail = tail_of(i)
     local rid = sub(tail, find(tail, ',', 1, true) + 1)
     delivered = rid == '' or rid == sub(holder, 1, -18)
   end
@@ -124,12 +131,15 @@ else
     local i = buffered[k]
     local j = index[slots[i]]
     local value = values[j]
-    local rec = marker .. tails[i] .. suffix
+    local rec = marker .. tail_of(i) .. suffix
     if not value then
       values[j] = rec
     else
       local start = find(value, marker, 1, true)
-      if start then
+      if start == 1 and not find(value, ';', 2, true) then
+        values[j] = rec -- the slot's only record, replaced
+        superseded = superseded + 1
+      elseif start then
         local stop = find(value, ';', start + 1, true)
         if stop then
           values[j] = sub(value, 1, start - 1) .. rec .. sub(value, stop)

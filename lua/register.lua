@@ -66,7 +66,17 @@ if alive then
 end
 
 local records = parse_pending(stored)
-table.sort(records, function(a, b) return tonumber(a.layer) < tonumber(b.layer) end)
+-- Records are kept in arrival order, usually ascending layers: sort only when they are not.
+local sorted = true
+for i, rec in ipairs(records) do
+  rec.n = tonumber(rec.layer)
+  if i > 1 and rec.n < records[i - 1].n then
+    sorted = false
+  end
+end
+if not sorted then
+  table.sort(records, function(a, b) return a.n < b.n end)
+end
 
 local parts = {}
 local recovered = 0
@@ -78,7 +88,7 @@ for i, rec in ipairs(records) do
     reason = 'expired'
   elseif rec.rid ~= '' and rec.rid ~= request_id then
     reason = 'request_mismatch'
-  elseif tonumber(rec.layer) >= num_layers then
+  elseif rec.n >= num_layers then
     reason = 'layer_out_of_range'
   elseif tokens <= 0 then
     reason = 'non_positive'

@@ -30,6 +30,7 @@ def result(redis_server: RedisServer) -> dict[str, Any]:
         processes=2,
         duration_s=0.2,
         contention_batches=(2,),
+        rounds=1,
         redis_benchmark_requests=200,
         memory_slots=8,
     )

@@ -1,9 +1,11 @@
 """Throughput of several processes recording onto the same slots of one rank at once.
 
-Each worker process opens its own client, waits at a barrier, then calls ``record`` with the
-same batch of slots (half of them with live tasks, set up before the start) until its time is
-up. Ours is one atomic script per call; the naive version retries its WATCH transaction on
-every conflict; the floor sends the same entries to a script that does nothing.
+Each worker process opens its own client, waits at a barrier, then calls ``record`` for layer
+0 with the same batch of slots (the odd ones with live tasks, set up before the start) until
+its time is up: the early layer-0 signal FastDeploy buffers, newest wins, so the buffer keeps
+one signal per slot (what a slot holding many layers costs is in :mod:`.scaling`). Ours is
+one atomic script per call; the naive version retries its WATCH transaction on every
+conflict; the floor sends the same entries to a script that does nothing.
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barri
             buf = SignalBuffer.from_url(url, namespace=name, env={})
 
             def step(i: int) -> None:
-                buf.record(INSTANCE, RANK, i % NUM_LAYERS, entries)
+                buf.record(INSTANCE, RANK, 0, entries)
 
         elif kind == "naive":
             naive = NaiveRedisBuffer(client, name)
 
             def step(i: int) -> None:
-                naive.record(i % NUM_LAYERS, entries)
+                naive.record(0, entries)
 
         elif kind == "floor":
             floor = Floor(client, name)
@@ -125,3 +127,23 @@ def contend(kind: str, url: str, processes: int, batch: int, duration_s: float) 
         "conflicts": sum(int(outcome["conflicts"]) for outcome in outcomes),
         "throughput": calls * batch / elapsed if elapsed > 0 else 0.0,
     }
+
+
+def contend_interleaved(
+    kinds: tuple[str, ...], url: str, processes: int, batch: int, duration_s: float, rounds: int
+) -> list[dict[str, Any]]:
+    """:func:`contend` for each kind in turn, ``rounds`` times, ``duration_s / rounds`` each,
+    summed per kind: a neighbour's load during one run then weighs on every kind alike."""
+    totals: dict[str, dict[str, Any]] = {}
+    for _ in range(rounds):
+        for kind in kinds:
+            row = contend(kind, url, processes, batch, duration_s / rounds)
+            total = totals.setdefault(kind, {**row, "calls": 0, "elapsed_s": 0.0, "conflicts": 0})
+            total["calls"] += row["calls"]
+            total["elapsed_s"] += row["elapsed_s"]
+            total["conflicts"] += row["conflicts"]
+    for total in totals.values():
+        elapsed = total["elapsed_s"]
+        total["throughput"] = total["calls"] * batch / elapsed if elapsed > 0 else 0.0
+        total["rounds"] = rounds
+    return [totals[kind] for kind in kinds]

@@ -147,6 +147,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "| signals buffered elsewhere on the rank | 1-entry record µs/call |", "|---:|---:|"]
         for row in server.get("record_vs_elsewhere", []):
             lines.append(f"| {row['buffered_elsewhere']} | {_fmt(row['server_us_per_call'])} |")
+        full = server.get("record_into_full_slot")
+        if full:
+            lines.append(f"| (same slot holds {full['slot_layers']} layers) | {_fmt(full['server_us_per_call'])} |")
         lines += ["", "| pending layers in the slot | register µs/call |", "|---:|---:|"]
         for row in server.get("register_vs_pending", []):
             lines.append(f"| {row['pending_layers']} | {_fmt(row['server_us_per_call'])} |")

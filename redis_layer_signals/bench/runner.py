@@ -30,6 +30,7 @@ DEFAULT_WARMUP = 200
 DEFAULT_PROCESSES = 4
 DEFAULT_DURATION_S = 3.0
 DEFAULT_CONTENTION_BATCHES = (1, 32)
+DEFAULT_ROUNDS = 3
 DEFAULT_OUT = Path("benchmarks/results")
 
 
@@ -45,6 +46,7 @@ class BenchConfig:
     processes: int = DEFAULT_PROCESSES
     duration_s: float = DEFAULT_DURATION_S
     contention_batches: tuple[int, ...] = DEFAULT_CONTENTION_BATCHES
+    rounds: int = DEFAULT_ROUNDS  # contention runs alternate between implementations this often
     redis_benchmark_requests: int = 20000
     memory_slots: int = 512
     with_async: bool = True
@@ -71,9 +73,11 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
         if config.with_async:
             latency += asyncio.run(async_cases(url, config.sizes, config.iterations, config.warmup))
         contended = [
-            contention.contend(kind, url, config.processes, batch, config.duration_s)
+            row
             for batch in config.contention_batches
-            for kind in ("ours", "naive", "floor")
+            for row in contention.contend_interleaved(
+                ("ours", "naive", "floor"), url, config.processes, batch, config.duration_s, config.rounds
+            )
         ]
         namespace = f"bench-mem-{uuid.uuid4().hex[:8]}"
         slots = config.memory_slots
@@ -88,6 +92,7 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
                 "processes": config.processes,
                 "duration_s": config.duration_s,
                 "contention_batches": list(config.contention_batches),
+                "rounds": config.rounds,
                 "own_server": config.redis_url is None,
             },
             "latency": [case.as_dict() for case in latency],
@@ -95,6 +100,7 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
             "scaling": {
                 "record_per_entry": scaling.record_per_entry(url, config.sizes),
                 "record_vs_elsewhere": scaling.record_vs_elsewhere(url),
+                "record_into_full_slot": scaling.record_into_full_slot(url),
                 "register_vs_pending": scaling.register_vs_pending(url, config.pending),
             },
             "memory": {
@@ -150,6 +156,7 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--processes", type=int, default=DEFAULT_PROCESSES)
     cli.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="seconds per contention run")
     cli.add_argument("--contention-batches", type=_ints, default=DEFAULT_CONTENTION_BATCHES)
+    cli.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="contention runs per implementation")
     cli.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for results.{json,md} and the plot")
     cli.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown")
     cli.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
@@ -167,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         processes=args.processes,
         duration_s=args.duration,
         contention_batches=args.contention_batches,
+        rounds=args.rounds,
     )
     result = run(config)
     write(result, args.out, plot=not args.no_plot)

@@ -43,6 +43,28 @@ def record_vs_elsewhere(
     return rows
 
 
+def record_into_full_slot(url: str, layers: int = NUM_LAYERS, calls: int = CALLS) -> dict[str, Any]:
+    """Server time of a 1-entry record that supersedes a layer of a slot holding ``layers``.
+
+    A slot's pending signals are one packed field, so such a record copies the field: its cost
+    grows with that slot's layers (never with other slots').
+    """
+    buf = _buffer(url)
+    try:
+        for layer in range(layers):
+            buf.record(INSTANCE, RANK, layer, [(0, 1000)])
+
+        def run() -> None:
+            for i in range(calls):
+                buf.record(INSTANCE, RANK, i % layers, [(0, 1000)])
+
+        _, usec = server_time(buf.client, run)
+        return {"slot_layers": layers, "server_us_per_call": usec}
+    finally:
+        buf.client.delete(*buf.protocol.keys.rank(INSTANCE, RANK).per_request)
+        buf.close()
+
+
 def record_per_entry(url: str, sizes: tuple[int, ...], calls: int = CALLS) -> list[dict[str, Any]]:
     """Server time per call and per entry of a buffering record, by batch size."""
     rows = []
