@@ -7,10 +7,10 @@
 -- Pending signals of one slot live in one field of the rank's pending hash, packed as records
 -- ";layer,tokens,request_id,recorded_at_ms,deadline_ms" in arrival order (request_id empty when
 -- unknown). The leading ';' lets record find a slot's layer with one plain string.find and
--- append or splice without decoding the other records, so a record costs the same however many
--- layers the slot already holds. Numbers that came from the client stay strings, so values up
--- to 2^53 survive untouched (Lua 5.1 prints large numbers in %.14g); computed numbers are
--- printed with %d.
+-- append or splice without decoding the other records: a record copies its slot's field once
+-- (bytes that grow with the slot's layers) and parses none of it. Numbers that came from the
+-- client stay strings, so values up to 2^53 survive untouched (Lua 5.1 prints large numbers in
+-- %.14g); computed numbers are printed with %d.
 --
 -- Hashes that scripts read with one HMGET per batch (live, pending) are created with the
 -- HASHTABLE field below: its value is longer than hash-max-listpack-value, so Redis keeps them

@@ -1,8 +1,8 @@
 -- finish.lua: release a slot when its request is done (or aborted), fenced by request id.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"
+-- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"; "~" -> marker
 -- KEYS[2] tasks    hash  slot -> task document; "<slot>:recovery" -> its recovery
--- KEYS[3] pending  hash  slot -> packed pending records (see _lib.lua)
+-- KEYS[3] pending  hash  slot -> packed pending records; "~" -> marker (see _lib.lua)
 -- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
 -- KEYS[5] stats    hash  counters (no TTL)
 -- KEYS[6] reply    string, this call's idempotency token

@@ -1,7 +1,7 @@
 -- record.lua: deliver or buffer one batch of layer signals of one instance and rank.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits" of the slot's task
--- KEYS[2] pending  hash  slot -> packed pending records (see _lib.lua)
+-- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"; "~" -> marker
+-- KEYS[2] pending  hash  slot -> packed pending records; "~" -> marker (see _lib.lua)
 -- KEYS[3] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
 -- KEYS[4] stats    hash  counters (no TTL)
 -- KEYS[5] reply    string, this call's idempotency token: the reply, kept reply_ttl_ms
@@ -17,10 +17,10 @@
 -- Guarantees: the liveness check and the buffering happen in this one script, so a signal is
 -- either delivered here or buffered, never both and never neither. A resend with the same
 -- token returns the first reply and writes nothing new. One HMGET of live, and for buffered
--- entries one HMGET, one HSET and at most one ZADD, whatever the batch size; each
--- entry costs one plain find in its slot's packed records, not a decode of them. Counters: delivered,
--- buffered, superseded ("recorded" is their first two summed by the reader). One pending record per slot
--- and layer (newest wins, the older counted as superseded, also within one batch).
+-- entries one HMGET, one HSET and at most one ZADD, whatever the batch size; each entry costs
+-- one plain find in its slot's packed records, not a decode of them. Counters: delivered,
+-- buffered, superseded ("recorded" is the first two summed by the reader). One pending record
+-- per slot and layer (newest wins, the older counted as superseded, also within one batch).
 
 local live_key, pending_key, expiry_key, stats_key, reply_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 
