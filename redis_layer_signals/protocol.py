@@ -105,6 +105,38 @@ def split_signals(
     return delivered, buffered
 
 
+_REASONS = {reason.value: reason for reason in DropReason}
+
+
+def recovery(
+    instance: str, rank: int, slot: int, payload: str
+) -> tuple[list[LayerSignal], list[tuple[LayerSignal, DropReason]]]:
+    """register's payload ("layer,tokens,request_id,recorded_at,reason;" per popped signal, in
+    layer order) as recovered signals and dropped ones with their reasons."""
+    recovered: list[LayerSignal] = []
+    dropped: list[tuple[LayerSignal, DropReason]] = []
+    common = {"instance": instance, "rank": rank, "slot": slot}
+    for record in payload.split(";"):
+        if not record:
+            continue
+        layer, tokens, rid, at, reason = record.split(",")
+        if _FAST_SIGNALS:
+            signal = object.__new__(LayerSignal)
+            state = signal.__dict__
+            state.update(common)
+            state["layer"] = int(layer)
+            state["tokens"] = int(tokens)
+            state["request_id"] = rid or None
+            state["recorded_at_ms"] = int(at)
+        else:
+            signal = LayerSignal(instance, rank, slot, int(layer), int(tokens), rid or None, int(at))
+        if reason:
+            dropped.append((signal, _REASONS[reason]))
+        else:
+            recovered.append(signal)
+    return recovered, dropped
+
+
 def plain_batch(raw: Any, max_slots: int) -> list[tuple[int, int]] | None:
     """``raw`` itself when it is the common batch, a list of ``(slot, tokens)`` tuples of plain
     ints in range; else None, and :func:`validation.entries` checks it (and names what is wrong).
@@ -219,15 +251,7 @@ class Protocol:
             status, _now, payload = _split(reply)
             if status == "occupied":
                 raise SlotOccupied(task.instance, task.rank, task.slot, payload, task.request_id)
-            recovered: list[LayerSignal] = []
-            dropped: list[tuple[LayerSignal, DropReason]] = []
-            for record in filter(None, payload.split(";")):
-                layer, tokens, rid, at, reason = record.split(",")
-                signal = LayerSignal(task.instance, task.rank, task.slot, int(layer), int(tokens), rid or None, int(at))
-                if reason:
-                    dropped.append((signal, DropReason(reason)))
-                else:
-                    recovered.append(signal)
+            recovered, dropped = recovery(task.instance, task.rank, task.slot, payload)
             return RegisterResult(task, recovered, dropped, repeated=status == "again", replaced=status == "replaced")
 
         call = ScriptCall(

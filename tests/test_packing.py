@@ -6,8 +6,8 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
-from redis_layer_signals import InvalidSignal, LayerSignal, SignalBuffer
-from redis_layer_signals.protocol import plain_batch, split_signals
+from redis_layer_signals import DropReason, InvalidSignal, LayerSignal, SignalBuffer
+from redis_layer_signals.protocol import plain_batch, recovery, split_signals
 
 
 def test_split_signals_builds_equal_frozen_hashable_signals() -> None:
@@ -58,3 +58,10 @@ def test_a_bool_token_is_still_refused_and_names_the_field() -> None:
     with pytest.raises(InvalidSignal, match=r"entries\[0\]\.tokens"):
         buf.record("p0", 0, 0, [(1, True)])
     buf.close()
+
+
+def test_recovery_payload_becomes_equal_signals_and_reasons() -> None:
+    recovered, dropped = recovery("p0", 1, 5, "0,100,,7,;1,9000,req-2,8,over_need;")
+    assert recovered == [LayerSignal("p0", 1, 5, 0, 100, None, 7)]
+    assert dropped == [(LayerSignal("p0", 1, 5, 1, 9000, "req-2", 8), DropReason.OVER_NEED)]
+    assert recovery("p0", 1, 5, "") == ([], [])
