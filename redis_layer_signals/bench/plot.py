@@ -6,7 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-IMPLS = (("ours", "redis-layer-signals"), ("floor", "floor: EVALSHA of a no-op"), ("naive", "naive WATCH/MULTI"))
+IMPLS = (
+    ("ours", "redis-layer-signals", "tab:blue"),
+    ("floor", "floor: EVALSHA of a no-op", "tab:green"),
+    ("naive", "naive WATCH/MULTI", "tab:purple"),
+)
 
 
 def latency_vs_batch(result: dict[str, Any], path: Path) -> Path:
@@ -20,16 +24,19 @@ def latency_vs_batch(result: dict[str, Any], path: Path) -> Path:
     paths = sorted({case["path"] for case in cases})
     figure, axes = plt.subplots(1, len(paths), figsize=(6 * len(paths), 4.5), squeeze=False)
     for axis, record_path in zip(axes[0], paths, strict=True):
-        for impl, label in IMPLS:
+        for impl, label, color in IMPLS:
             points = sorted(
                 (c["size"], c["p50_us"], c["p99_us"]) for c in cases if c["impl"] == impl and c["path"] == record_path
             )
             if not points:
                 continue
             sizes = [p[0] for p in points]
-            axis.plot(sizes, [p[1] for p in points], marker="o", label=f"{label} p50")
-            axis.plot(sizes, [p[2] for p in points], linestyle=":", alpha=0.6, label=f"{label} p99")
+            axis.plot(sizes, [p[1] for p in points], marker="o", color=color, label=f"{label} p50")
+            axis.plot(sizes, [p[2] for p in points], linestyle=":", color=color, alpha=0.6, label=f"{label} p99")
         axis.set_xscale("log", base=2)
+        sizes = sorted({c["size"] for c in cases if c["path"] == record_path})
+        axis.set_xticks(sizes, [str(size) for size in sizes])
+        axis.minorticks_off()
         axis.set_yscale("log")
         axis.set_xlabel("entries per record call")
         axis.set_ylabel("latency per call (µs)")
