@@ -19,7 +19,9 @@
 -- while a record uses no longer TTL, a slot that already holds records needs no expiry ZADD;
 -- a call before <next due> (at or before the expiry index's earliest score) skips the sweep;
 -- a call well before <key expires at> (0 under an injected clock) skips the PTTL. The live
--- hash's marker is "<key expires at>|...".
+-- hash's marker is "<key expires at>|<next due>|...": a record that only delivers reads it in
+-- the HMGET it makes anyway and sweeps only once something may be due. Both <next due> stay at
+-- or before the index's earliest score: only record adds scores, and it lowers both markers.
 --
 -- The expiry zset indexes groups of EXPIRY_GROUP slots (member: slot // EXPIRY_GROUP), scored
 -- by a time at or before the group's earliest pending deadline. Groups, not slots, keep the
@@ -217,5 +219,18 @@ local function sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta
     redis.call('HSET', pending_key, HASHTABLE_FIELD, encode_meta(meta))
   end
   return true
+end
+
+-- The live hash's marker: when the key expires and when a sweep may be due; nils if absent.
+local function read_live_marker(value)
+  if not value then
+    return nil, nil
+  end
+  local expires, due = match(value, '^(%d+)|(%d+)|')
+  return tonumber(expires), tonumber(due)
+end
+
+local function live_marker(expires, due)
+  return fmt(expires) .. '|' .. fmt(due) .. '|' .. HASHTABLE_VALUE
 end
 

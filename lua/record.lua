@@ -50,7 +50,11 @@ local function tail_of(i)
   return sub(packed, from, find(packed, ';', from, true) - 1)
 end
 
+slots[n + 1] = HASHTABLE_FIELD
 local holders = redis.call('HMGET', live_key, unpack(slots))
+slots[n + 1] = nil
+local has_live = holders[n + 1] ~= false
+local live_expires, live_due = read_live_marker(holders[n + 1] or nil)
 
 -- Delivered when the slot's lease runs (fixed-width deadlines compare as strings) and the
 -- entry names no request or the holder's; request ids are only looked at when sent.
@@ -79,7 +83,15 @@ end
 local superseded = 0
 local limit = tonumber(ARGV[6])
 if nbuffered == 0 then
-  sweep(pending_key, expiry_key, stats_key, now, limit)
+  -- Only delivering: sweep when the live marker says something may be due, then move it on.
+  if live_due == nil or live_due <= now then
+    sweep(pending_key, expiry_key, stats_key, now, limit)
+    if has_live then
+      local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
+      local due = first[2] and tonumber(first[2]) or FAR
+      redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or 0, due))
+    end
+  end
 else
   local injected = ARGV[1] ~= ''
   -- Distinct slots in first-seen order; a slot twice in one batch keeps its newest entry.
@@ -192,6 +204,10 @@ else
   if refresh then
     redis.call('PEXPIRE', pending_key, key_ttl)
     redis.call('PEXPIRE', expiry_key, key_ttl)
+  end
+  -- The live marker's next due may not be later than the index's earliest score.
+  if has_live and (live_due == nil or meta.due < live_due) then
+    redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or 0, meta.due))
   end
 end
 

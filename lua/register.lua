@@ -39,7 +39,8 @@ local task_ttl = tonumber(ARGV[7])
 
 local found = redis.call('HMGET', pending_key, slot, HASHTABLE_FIELD)
 local stored = found[1]
-if sweep_if_due(pending_key, expiry_key, stats_key, now, tonumber(ARGV[10]), read_meta(found[2])) then
+local meta = read_meta(found[2])
+if sweep_if_due(pending_key, expiry_key, stats_key, now, tonumber(ARGV[10]), meta) then
   stored = redis.call('HGET', pending_key, slot)
 end
 
@@ -113,17 +114,19 @@ end
 local key_ttl = tonumber(ARGV[11])
 local floor_ttl = key_ttl - (key_ttl - task_ttl) / 2
 local hset = {slot, request_id .. '|' .. lease(now + task_ttl)}
+local live_expires, live_due = read_live_marker(live[2] or nil)
+-- A new marker's next due: the pending marker's (a lower bound too), or none pending.
+local due = math.min(live_due or FAR, meta and meta.due or FAR)
 local refresh
 if ARGV[1] ~= '' then
   refresh = redis.call('PTTL', live_key) < floor_ttl
-  if not live[2] then
-    hset[3], hset[4] = HASHTABLE_FIELD, '0|' .. HASHTABLE_VALUE
+  if live_expires == nil then
+    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(0, due)
   end
 else
-  local expires = tonumber(match(live[2] or '', '^(%d+)|'))
-  refresh = expires == nil or expires - now < floor_ttl
+  refresh = live_expires == nil or live_expires - now < floor_ttl
   if refresh then
-    hset[3], hset[4] = HASHTABLE_FIELD, fmt(now + key_ttl) .. '|' .. HASHTABLE_VALUE
+    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(now + key_ttl, due)
   end
 end
 redis.call('HSET', live_key, unpack(hset))
