@@ -88,13 +88,16 @@ class AsyncSignalBuffer:
         return int(seconds) * 1000 + int(micros) // 1000
 
     async def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
-        pattern = self.protocol.keys.pattern(kind)
         found = set()
-        async for key in self.client.scan_iter(match=pattern, count=1000):
+        for key in await self._retrying("scan", partial(self._scan, self.protocol.keys.pattern(kind))):
             owner = self.protocol.keys.owner(key)
             if owner is not None:
                 found.add(owner)
         return sorted(found)
+
+    async def _scan(self, pattern: str) -> list[Any]:
+        """One whole SCAN walk; a walk cut short by a fault is started again by the caller."""
+        return [key async for key in self.client.scan_iter(match=pattern, count=1000)]
 
     async def sweep(self) -> int:
         total = 0
@@ -110,8 +113,7 @@ class AsyncSignalBuffer:
     async def stats(self, sweep: bool = True) -> dict[str, int]:
         if sweep:
             await self.sweep()
-        pattern = self.protocol.keys.pattern("stats")
-        keys = [key async for key in self.client.scan_iter(match=pattern, count=1000)]
+        keys = await self._retrying("stats", partial(self._scan, self.protocol.keys.pattern("stats")))
         return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
 
     async def close(self) -> None:
