@@ -9,6 +9,8 @@ import subprocess
 from typing import Any
 from urllib.parse import urlparse
 
+from .server import BenchServerError
+
 REDIS_BENCHMARK = "redis-benchmark"
 TIMEOUT_S = 120.0
 
@@ -30,7 +32,7 @@ def run(url: str, requests: int, floor_sha: str, clients: tuple[int, ...] = (1, 
     """
     binary = shutil.which(REDIS_BENCHMARK)
     if binary is None:
-        raise RuntimeError(f"{REDIS_BENCHMARK} is not installed (apt-get install redis-tools)")
+        raise BenchServerError(f"{REDIS_BENCHMARK} is not installed (apt-get install redis-tools)")
     rows: list[dict[str, Any]] = []
     commands: list[tuple[str, list[str]]] = [
         ("PING", ["-t", "ping_mbulk"]),

@@ -19,8 +19,9 @@ import redis
 START_TIMEOUT_S = 15.0
 
 
-class BenchServerError(RuntimeError):
-    """redis-server is missing or did not come up."""
+class BenchServerError(OSError):
+    """A server binary the benchmark needs is missing or did not come up (an OSError, so the
+    command line reports it in one line)."""
 
 
 def _free_port() -> int:
