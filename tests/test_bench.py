@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from redis_layer_signals.bench import BenchConfig, run
+from redis_layer_signals.bench import BenchConfig, names, run
 from redis_layer_signals.bench.report import TARGETS, check, markdown
 from redis_layer_signals.bench.runner import write
 from tests.servers import RedisServer
@@ -108,6 +108,17 @@ def test_targets_follow_the_ratios(result: dict[str, Any]) -> None:
         assert row["value"] == value
         if value is not None:
             assert row["met"] == (value <= row["limit"] if row["comparison"] == "<=" else value >= row["limit"])
+
+
+def test_the_run_removes_every_key_it_wrote(result: dict[str, Any], redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    left = [
+        key
+        for pattern in (f"rls:{{{names.NAMESPACE_PREFIX}*", f"{names.NAIVE_PREFIX}:{{{names.NAMESPACE_PREFIX}*")
+        for key in client.scan_iter(match=pattern, count=1000)
+    ]
+    client.close()
+    assert result["latency"] and left == []
 
 
 def test_check_marks_a_missed_limit_and_an_unmeasured_one() -> None:

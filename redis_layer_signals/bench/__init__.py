@@ -7,6 +7,7 @@ the results as a dict; :func:`runner.main` is the command line (``benchmarks/run
 
 from __future__ import annotations
 
+from . import names
 from .runner import BenchConfig, main, run
 
-__all__ = ["BenchConfig", "main", "run"]
+__all__ = ["BenchConfig", "main", "names", "run"]

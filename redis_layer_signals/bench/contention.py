@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-import uuid
 from typing import Any
 
 import redis
 
 from ..buffer import SignalBuffer
 from ..models import CacheTask
+from . import names
 from .baselines import Floor, NaiveRedisBuffer
 
 INSTANCE = "contend"
@@ -97,9 +97,7 @@ def _prepare(kind: str, url: str, name: str, batch: int) -> None:
 
 def contend(kind: str, url: str, processes: int, batch: int, duration_s: float) -> dict[str, Any]:
     """Run ``processes`` workers of ``kind``; total signals per second across them."""
-    name = f"bench-{kind}-{uuid.uuid4().hex[:8]}"
-    if kind == "naive":
-        name = f"rls-bench-naive:{{{name}}}"
+    name = names.naive_prefix() if kind == "naive" else names.namespace(kind)
     _prepare(kind, url, name, batch)
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)

@@ -9,7 +9,6 @@ import asyncio
 import json
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import redis
 
-from . import contention, external, memory, report, scaling
+from . import contention, external, memory, names, report, scaling
 from .baselines import Floor
 from .machine import describe
 from .scenarios import SyncCases, async_cases
@@ -79,7 +78,7 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
                 ("ours", "naive", "floor"), url, config.processes, batch, config.duration_s, config.rounds
             )
         ]
-        namespace = f"bench-mem-{uuid.uuid4().hex[:8]}"
+        namespace = names.namespace("mem")
         slots = config.memory_slots
         result: dict[str, Any] = {
             "started_at": started,
@@ -114,6 +113,7 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
             "redis_benchmark": external.run(url, config.redis_benchmark_requests, floor_sha),
         }
     finally:
+        names.cleanup(client)
         client.close()
     values = report.ratios(result)
     result["ratios"] = values

@@ -3,11 +3,11 @@ buffers more signals elsewhere, per register as its slot holds more pending laye
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from ..buffer import SignalBuffer
 from ..models import CacheTask
+from . import names
 from .commandstats import server_time
 
 INSTANCE = "scale"
@@ -17,7 +17,7 @@ CALLS = 50
 
 
 def _buffer(url: str, max_slots: int = 512) -> SignalBuffer:
-    return SignalBuffer.from_url(url, namespace=f"bench-{uuid.uuid4().hex[:10]}", max_slots=max_slots, env={})
+    return SignalBuffer.from_url(url, namespace=names.namespace("scale"), max_slots=max_slots, env={})
 
 
 def record_vs_elsewhere(

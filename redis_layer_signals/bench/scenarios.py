@@ -11,7 +11,6 @@ The floor of every case sends the case's entries (one for register and finish).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import redis
 from ..aio import AsyncSignalBuffer
 from ..buffer import SignalBuffer
 from ..models import CacheTask
+from . import names
 from .baselines import AsyncFloor, Floor, LocalDictBuffer, NaiveRedisBuffer
 from .commandstats import server_time
 from .timing import Summary, measure_interleaved, measure_interleaved_async
@@ -56,10 +56,6 @@ class Case:
             "server_us": self.server_us,
             **self.summary.as_dict(),
         }
-
-
-def namespace() -> str:
-    return f"bench-{uuid.uuid4().hex[:10]}"
 
 
 def task(slot: int, request_id: str) -> CacheTask:
@@ -99,7 +95,7 @@ class SyncCases:
         self.iterations = iterations
         self.warmup = warmup
         self.client = redis.Redis.from_url(url)
-        self.floor = Floor(self.client, f"rls-bench-floor-{uuid.uuid4().hex[:6]}")
+        self.floor = Floor(self.client, names.floor_key())
         self._ids = iter(range(1 << 62))
 
     def close(self) -> None:
@@ -109,10 +105,10 @@ class SyncCases:
         return f"r{next(self._ids)}"
 
     def _buffer(self) -> SignalBuffer:
-        return SignalBuffer.from_url(self.url, namespace=namespace(), env={})
+        return SignalBuffer.from_url(self.url, namespace=names.namespace(), env={})
 
     def _naive(self) -> NaiveRedisBuffer:
-        return NaiveRedisBuffer(self.client, f"rls-bench-naive:{{{uuid.uuid4().hex[:10]}}}")
+        return NaiveRedisBuffer(self.client, names.naive_prefix())
 
     def _server_us(self, call: Callable[[], object], calls: int) -> float:
         def many() -> None:
@@ -251,7 +247,7 @@ async def async_cases(url: str, sizes: tuple[int, ...], iterations: int, warmup:
     import redis.asyncio
 
     client = redis.asyncio.Redis.from_url(url)
-    floor = await AsyncFloor.create(client, f"rls-bench-afloor-{uuid.uuid4().hex[:6]}")
+    floor = await AsyncFloor.create(client, names.floor_key())
     cases: list[Case] = []
     ids = iter(range(1 << 62))
     try:
@@ -259,7 +255,7 @@ async def async_cases(url: str, sizes: tuple[int, ...], iterations: int, warmup:
             for size in sizes:
                 entries = entries_of(size)
                 args = Floor.flat(entries)
-                buf = AsyncSignalBuffer.from_url(url, namespace=namespace(), env={})
+                buf = AsyncSignalBuffer.from_url(url, namespace=names.namespace(), env={})
                 try:
                     if path == "delivered":
                         for slot, _ in entries:
@@ -277,7 +273,7 @@ async def async_cases(url: str, sizes: tuple[int, ...], iterations: int, warmup:
                     await buf.close()
                 cases += [Case("async", "record", path, size, impl, summary) for impl, summary in results.items()]
         one = Floor.flat(entries_of(1))
-        buf = AsyncSignalBuffer.from_url(url, namespace=namespace(), env={})
+        buf = AsyncSignalBuffer.from_url(url, namespace=names.namespace(), env={})
         try:
             registers: dict[str, list[Summary]] = {"floor": [], "ours": []}
             finishes: dict[str, list[Summary]] = {"floor": [], "ours": []}
