@@ -336,6 +336,38 @@ def metrics_command(
             server.shutdown()
 
 
+# -- bench (performance; logic in redis_layer_signals.bench) ----------------------------------
+
+
+@app.command("bench")
+def bench_command(
+    redis: Annotated[
+        str | None,
+        typer.Option("--redis", help="Benchmark this server instead of starting one (no env fallback)."),
+    ] = None,
+    sizes: Annotated[str, typer.Option(help="Entries per record call, comma-separated.")] = "1,32,512",
+    pending: Annotated[str, typer.Option(help="Pending layers before register, comma-separated.")] = "0,1,61",
+    iterations: Annotated[int, typer.Option(min=1, help="Timed calls per case.")] = 2000,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed calls first.")] = 200,
+    processes: Annotated[int, typer.Option(min=1, help="Contending processes.")] = 4,
+    duration: Annotated[float, typer.Option(min=0.1, help="Seconds per contention run.")] = 3.0,
+    out: Annotated[Path, typer.Option(help="Directory for results.md, results.json and the plot.")] = Path(
+        "benchmarks/results"
+    ),
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of markdown.")] = False,
+    plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write the PNG (needs matplotlib).")] = True,
+) -> None:
+    """Measure record, register and finish against a local dict, naive WATCH/MULTI and a no-op
+    EVALSHA floor on one server; write markdown, JSON and a plot."""
+    from .bench import runner
+
+    argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]
+    argv += ["--processes", str(processes), "--duration", str(duration), "--out", str(out)]
+    argv += (["--redis", redis] if redis else []) + (["--json"] if json_output else [])
+    argv += [] if plot else ["--no-plot"]
+    raise typer.Exit(runner.main(argv))
+
+
 # -- entry point -------------------------------------------------------------------------------
 
 

@@ -139,3 +139,15 @@ def test_written_outputs_are_json_markdown_and_png(result: dict[str, Any], tmp_p
 def test_the_package_imports_without_matplotlib() -> None:
     code = "import sys, redis_layer_signals.bench; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_rls_bench_is_a_command_with_the_benchmark_options() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "redis_layer_signals", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for option in ("--redis", "--sizes", "--pending", "--processes", "--json", "--no-plot"):
+        assert option in done.stdout, option
