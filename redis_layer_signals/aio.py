@@ -4,62 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError
 
 from . import connection, replication
-from .buffer import Observer, _text
-from .config import BufferConfig
+from .base import BufferBase, text
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
-from .protocol import Clock, Prepared, Protocol, ScriptCall, decode_task, parse_pending, sum_stats
+from .protocol import Prepared, ScriptCall, decode_task, parse_pending, sum_stats
 from .retry import RETRYABLE, Attempts
-from .scripts import all_scripts
 
 T = TypeVar("T")
 
 
-class AsyncSignalBuffer:
+class AsyncSignalBuffer(BufferBase):
     """:class:`SignalBuffer` with coroutine methods; see it for what each call guarantees."""
 
-    def __init__(
-        self,
-        client: Any,
-        *,
-        url: str | None = None,
-        namespace: str | None = None,
-        pending_ttl_s: float | None = None,
-        task_ttl_s: float | None = None,
-        max_slots: int | None = None,
-        retry_s: float | None = None,
-        wait_replicas: int | None = None,
-        wait_timeout_ms: int | None = None,
-        clock: Clock | None = None,
-        observer: Observer | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.config = BufferConfig.resolve(
-            env,
-            url=url,
-            namespace=namespace,
-            pending_ttl_s=pending_ttl_s,
-            task_ttl_s=task_ttl_s,
-            max_slots=max_slots,
-            retry_s=retry_s,
-            wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms,
-        )
-        self.client = client
-        self.protocol = Protocol(self.config, clock)
-        self.observer = observer
-        self._scripts = all_scripts()
-
-    @classmethod
-    def from_url(cls, url: str | None = None, **options: Any) -> AsyncSignalBuffer:
-        config, passthrough = BufferConfig.for_url(url, options)
-        return cls(connection.async_client(config.url, config.retry_s), **config.options(), **passthrough)
+    @staticmethod
+    def make_client(url: str, retry_s: float) -> Any:
+        return connection.async_client(url, retry_s)
 
     async def record(self, instance: str, rank: int, layer: int, entries: Iterable[Any]) -> RecordResult:
         return await self._execute(self.protocol.record(instance, rank, layer, entries))
@@ -73,7 +38,7 @@ class AsyncSignalBuffer:
     async def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         keys = self.protocol.slot_keys(instance, rank, slot)
         packed = await self._retrying("pending", lambda: self.client.hget(keys.pending, str(slot)))
-        return parse_pending(instance, rank, slot, _text(packed))
+        return parse_pending(instance, rank, slot, text(packed))
 
     async def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         keys = self.protocol.slot_keys(instance, rank, slot)

@@ -4,25 +4,22 @@ runs the calls on a redis-py client, with bounded retries and script reloading."
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError
 
 from . import connection, replication
-from .config import BufferConfig
+from .base import BufferBase, text
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
-from .protocol import Clock, Prepared, Protocol, ScriptCall, decode_task, parse_pending, sum_stats
+from .protocol import Prepared, ScriptCall, decode_task, parse_pending, sum_stats
 from .retry import RETRYABLE, Attempts
-from .scripts import all_scripts
 
 T = TypeVar("T")
-Observer = Callable[[str, float], None]
-"""Called with (operation, seconds) after each successful call: the metrics hook."""
 
 
-class SignalBuffer:
+class SignalBuffer(BufferBase):
     """Early layer signals in Redis, shared by every process that uses the same namespace.
 
     ``record`` delivers a signal whose slot has a live task and buffers the others;
@@ -30,43 +27,9 @@ class SignalBuffer:
     slot, fenced by request id. Each is one Lua script run, atomic on the server.
     """
 
-    def __init__(
-        self,
-        client: Any,
-        *,
-        url: str | None = None,
-        namespace: str | None = None,
-        pending_ttl_s: float | None = None,
-        task_ttl_s: float | None = None,
-        max_slots: int | None = None,
-        retry_s: float | None = None,
-        wait_replicas: int | None = None,
-        wait_timeout_ms: int | None = None,
-        clock: Clock | None = None,
-        observer: Observer | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.config = BufferConfig.resolve(
-            env,
-            url=url,
-            namespace=namespace,
-            pending_ttl_s=pending_ttl_s,
-            task_ttl_s=task_ttl_s,
-            max_slots=max_slots,
-            retry_s=retry_s,
-            wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms,
-        )
-        self.client = client
-        self.protocol = Protocol(self.config, clock)
-        self.observer = observer
-        self._scripts = all_scripts()
-
-    @classmethod
-    def from_url(cls, url: str | None = None, **options: Any) -> SignalBuffer:
-        """Connect by URL (``RLS_REDIS_URL``, default ``memory://``); see :mod:`.connection`."""
-        config, passthrough = BufferConfig.for_url(url, options)
-        return cls(connection.sync_client(config.url, config.retry_s), **config.options(), **passthrough)
+    @staticmethod
+    def make_client(url: str, retry_s: float) -> Any:
+        return connection.sync_client(url, retry_s)
 
     # -- the three operations --------------------------------------------------------------
 
@@ -88,7 +51,7 @@ class SignalBuffer:
         """The slot's buffered signals, ordered by layer (read-only)."""
         keys = self.protocol.slot_keys(instance, rank, slot)
         packed = self._retrying("pending", lambda: self.client.hget(keys.pending, str(slot)))
-        return parse_pending(instance, rank, slot, _text(packed))
+        return parse_pending(instance, rank, slot, text(packed))
 
     def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         """The slot's live task, or None (read-only)."""
@@ -186,9 +149,3 @@ class SignalBuffer:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
             return replication.run_and_wait(self.client, script, call, operation, wanted, timeout_ms)
         return self._run_script(call)
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
