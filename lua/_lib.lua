@@ -234,3 +234,19 @@ local function live_marker(expires, due)
   return fmt(expires) .. '|' .. fmt(due) .. '|' .. HASHTABLE_VALUE
 end
 
+
+-- Idempotency: the first reply of this call when a resend of it already ran (counted as
+-- replayed), else nil. Every operation script starts with this check.
+local function replayed_reply(reply_key, stats_key)
+  local cached = redis.call('GET', reply_key)
+  if cached then
+    redis.call('HINCRBY', stats_key, 'replayed', 1)
+  end
+  return cached
+end
+
+-- Keep a reply under the call's token for as long as a resend may come, and return it.
+local function remember_reply(reply_key, reply, ttl_ms)
+  redis.call('SET', reply_key, reply, 'PX', ttl_ms)
+  return reply
+end

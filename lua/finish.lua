@@ -21,9 +21,8 @@
 local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 
-local cached = redis.call('GET', reply_key)
+local cached = replayed_reply(reply_key, stats_key)
 if cached then
-  redis.call('HINCRBY', stats_key, 'replayed', 1)
   return cached
 end
 
@@ -65,5 +64,4 @@ else
   reply = 'ok|' .. fmt(now) .. '|' .. removed .. ',' .. dropped .. ',0'
 end
 
-redis.call('SET', reply_key, reply, 'PX', ARGV[4])
-return reply
+return remember_reply(reply_key, reply, ARGV[4])

@@ -24,9 +24,8 @@
 
 local live_key, pending_key, expiry_key, stats_key, reply_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 
-local cached = redis.call('GET', reply_key)
+local cached = replayed_reply(reply_key, stats_key)
 if cached then
-  redis.call('HINCRBY', stats_key, 'replayed', 1)
   return cached
 end
 
@@ -216,6 +215,4 @@ count(stats_key, 'delivered', n - nbuffered)
 count(stats_key, 'buffered', nbuffered)
 count(stats_key, 'superseded', superseded)
 
-local reply = 'ok|' .. at .. '|' .. table.concat(flags)
-redis.call('SET', reply_key, reply, 'PX', ARGV[5])
-return reply
+return remember_reply(reply_key, 'ok|' .. at .. '|' .. table.concat(flags), ARGV[5])

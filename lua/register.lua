@@ -26,9 +26,8 @@
 local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 
-local cached = redis.call('GET', reply_key)
+local cached = replayed_reply(reply_key, stats_key)
 if cached then
-  redis.call('HINCRBY', stats_key, 'replayed', 1)
   return cached
 end
 
@@ -49,8 +48,7 @@ local holder, alive = parse_holder(live[1], now)
 local status = 'ok'
 -- Every reply, refusals included, is kept under the token: a resend must not count twice.
 local function reply_with(reply)
-  redis.call('SET', reply_key, reply, 'PX', ARGV[8])
-  return reply
+  return remember_reply(reply_key, reply, ARGV[8])
 end
 
 if alive and holder == request_id then
