@@ -25,39 +25,56 @@ class Log:
     occupied: int = 0
 
 
-def work(url: str, namespace: str, worker: int, operations: int, seed: int) -> Log:
-    rng = random.Random(seed * 1000 + worker)
-    buf = SignalBuffer.from_url(url, namespace=namespace, env={})
-    log = Log()
-    mine: dict[int, str] = {}  # slot -> request id this worker registered there
-    serial = 0
-    for op in range(operations):
+class Worker:
+    """One worker's random operations on the shared slots of p0/0, every outcome logged."""
+
+    def __init__(self, buf: SignalBuffer, worker: int, seed: int) -> None:
+        self.buf = buf
+        self.worker = worker
+        self.rng = random.Random(seed * 1000 + worker)
+        self.log = Log()
+        self.mine: dict[int, str] = {}  # slot -> request id this worker registered there
+        self.serial = 0
+
+    def step(self, op: int) -> None:
+        """One random record (55 %), register (25 %) or finish (20 %)."""
+        rng, log = self.rng, self.log
         choice = rng.random()
         if choice < 0.55:
             layer = rng.randrange(LAYERS)
             entries = []
             for slot in rng.sample(range(SLOTS), rng.randint(1, SLOTS)):
-                serial += 1
-                entries.append((slot, worker * 1_000_000 + serial))
-            res = buf.record("p0", 0, layer, entries)
+                self.serial += 1
+                entries.append((slot, self.worker * 1_000_000 + self.serial))
+            res = self.buf.record("p0", 0, layer, entries)
             log.recorded += [(s, layer, t) for s, t in entries]
             log.delivered += [(s.slot, s.layer, s.tokens) for s in res.delivered]
             log.buffered += [(s.slot, s.layer, s.tokens) for s in res.buffered]
         elif choice < 0.8:
             slot = rng.randrange(SLOTS)
-            request_id = f"w{worker}-{op}"
+            request_id = f"w{self.worker}-{op}"
             try:
-                rec = buf.register(CacheTask("p0", 0, slot, request_id, need_prefill_tokens=2**40, num_layers=LAYERS))
+                rec = self.buf.register(
+                    CacheTask("p0", 0, slot, request_id, need_prefill_tokens=2**40, num_layers=LAYERS)
+                )
             except SlotOccupied:
                 log.occupied += 1
-                continue
-            mine[slot] = request_id
+                return
+            self.mine[slot] = request_id
             log.registered += 1
             log.recovered += [(s.slot, s.layer, s.tokens) for s in rec.recovered]
             log.dropped += [(s.slot, s.layer, s.tokens) for s, _ in rec.dropped]
         else:
             slot = rng.randrange(SLOTS)
-            request_id = mine.pop(slot, f"w{worker}-gone-{op}")
-            log.finish_dropped += buf.finish("p0", 0, slot, request_id).dropped
+            request_id = self.mine.pop(slot, f"w{self.worker}-gone-{op}")
+            log.finish_dropped += self.buf.finish("p0", 0, slot, request_id).dropped
+
+
+def work(url: str, namespace: str, worker: int, operations: int, seed: int) -> Log:
+    """A race-test process: ``operations`` random steps on its own client."""
+    buf = SignalBuffer.from_url(url, namespace=namespace, env={})
+    runner = Worker(buf, worker, seed)
+    for op in range(operations):
+        runner.step(op)
     buf.close()
-    return log
+    return runner.log
