@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from importlib import import_module
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
@@ -103,88 +104,52 @@ def _timeouts(retry_s: float) -> dict[str, Any]:
 
 def sync_client(url: str, retry_s: float) -> Any:
     """A redis-py (or fakeredis) client for ``url``."""
+    return _client(url, retry_s, is_async=False)
+
+
+def async_client(url: str, retry_s: float) -> Any:
+    """A redis.asyncio (or fakeredis async) client for ``url``."""
+    return _client(url, retry_s, is_async=True)
+
+
+def _client(url: str, retry_s: float, is_async: bool) -> Any:
+    """One recipe for both flavours: redis-py mirrors its sync modules under ``redis.asyncio``."""
     scheme = scheme_of(url)
     if scheme == MEMORY:
         import fakeredis
 
-        return fakeredis.FakeRedis(server=memory_server(url.split("://", 1)[1]))
+        fake: Any = fakeredis.FakeAsyncRedis if is_async else fakeredis.FakeRedis
+        return fake(server=memory_server(url.split("://", 1)[1]))
+    package = "redis.asyncio" if is_async else "redis"
     from redis.backoff import NoBackoff
-    from redis.retry import Retry
 
-    no_retry = Retry(NoBackoff(), 0)
+    no_retry = import_module(f"{package}.retry").Retry(NoBackoff(), 0)
     if scheme in SINGLE_SCHEMES:
-        import redis
-
-        return redis.Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
+        return import_module(package).Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
     if scheme == CLUSTER:
-        from redis.cluster import ClusterNode as _Node
-        from redis.cluster import RedisCluster
-
-        node: Any = _Node
-
+        cluster = import_module(f"{package}.cluster")
         parsed = parse_multi_host(url)
-        return RedisCluster(
-            startup_nodes=[node(host, port) for host, port in parsed.hosts],
+        return cluster.RedisCluster(
+            startup_nodes=[cluster.ClusterNode(host, port) for host, port in parsed.hosts],
             username=parsed.username,
             password=parsed.password,
             retry=no_retry,  # MOVED/ASK are still followed; errors come back to the buffer's loop
             **_timeouts(retry_s),
         )
     if scheme == SENTINEL:
-        from redis.sentinel import Sentinel as _Sentinel
-
-        sentinel_cls: Any = _Sentinel
-
         parsed = parse_multi_host(url)
         service, db = _sentinel_target(url, parsed)
-        credentials: dict[str, Any] = {"username": parsed.username, "password": parsed.password}
-        sentinel = sentinel_cls(parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s))
-        return sentinel.master_for(
-            service, db=db, retry=no_retry, connection_class=_sync_primary_connection(), **credentials
+        sentinel = import_module(f"{package}.sentinel").Sentinel(
+            parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s)
         )
-    raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
-
-
-def async_client(url: str, retry_s: float) -> Any:
-    """A redis.asyncio (or fakeredis async) client for ``url``."""
-    scheme = scheme_of(url)
-    if scheme == MEMORY:
-        import fakeredis
-
-        return fakeredis.FakeAsyncRedis(server=memory_server(url.split("://", 1)[1]))
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    no_retry = Retry(NoBackoff(), 0)
-    if scheme in SINGLE_SCHEMES:
-        import redis.asyncio
-
-        return redis.asyncio.Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
-    if scheme == CLUSTER:
-        from redis.asyncio.cluster import ClusterNode as _AsyncNode
-        from redis.asyncio.cluster import RedisCluster as _AsyncCluster
-
-        node: Any = _AsyncNode
-
-        parsed = parse_multi_host(url)
-        return _AsyncCluster(
-            startup_nodes=[node(host, port) for host, port in parsed.hosts],
+        connection_class = _async_primary_connection() if is_async else _sync_primary_connection()
+        return sentinel.master_for(
+            service,
+            db=db,
+            retry=no_retry,
+            connection_class=connection_class,
             username=parsed.username,
             password=parsed.password,
-            retry=no_retry,
-            **_timeouts(retry_s),
-        )
-    if scheme == SENTINEL:
-        from redis.asyncio.sentinel import Sentinel as _AsyncSentinel
-
-        sentinel_cls: Any = _AsyncSentinel
-
-        parsed = parse_multi_host(url)
-        service, db = _sentinel_target(url, parsed)
-        credentials: dict[str, Any] = {"username": parsed.username, "password": parsed.password}
-        sentinel = sentinel_cls(parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s))
-        return sentinel.master_for(
-            service, db=db, retry=no_retry, connection_class=_async_primary_connection(), **credentials
         )
     raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
 
