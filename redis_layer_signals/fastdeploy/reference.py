@@ -185,10 +185,13 @@ class ReferenceMessager:
         self.adder = CacheTaskAdder(bridge, self.ready)
         self._sending: dict[int, _Sending] = {}
         self._stop = threading.Event()
-        loops = [self._consume_signals, self._send_layerwise]
+        loops: list[tuple[QueueLike, Callable[[Any], object]]] = [
+            (self.signals, self._consume_signal),
+            (self.ready, self._send_batch),
+        ]
         if with_adder:
-            loops.append(self._add_cache_tasks)
-        self._threads = [threading.Thread(target=self._guard, args=(loop,), daemon=True) for loop in loops]
+            loops.append((self.cache_infos, self.adder.add))
+        self._threads = [threading.Thread(target=self._serve, args=loop, daemon=True) for loop in loops]
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -228,46 +231,40 @@ class ReferenceMessager:
 
     # -- the three threads -----------------------------------------------------------------
 
-    def _guard(self, loop: Callable[[], None]) -> None:
-        """Run one thread's loop; an error is kept for the tests and the loop goes on."""
+    def _serve(self, inbox: QueueLike, handle: Callable[[Any], object]) -> None:
+        """One thread: hand each item of ``inbox`` to ``handle``; an error is kept for the tests
+        and the loop goes on."""
         while not self._stop.is_set():
             try:
-                loop()
+                self._take(inbox, handle)
             except Exception as exc:
-                logger.exception("%s failed", loop.__name__)
+                logger.exception("%s failed", handle.__name__)
                 self.errors.append(exc)
                 self._stop.wait(POLL_S)  # no busy loop while Redis is away
 
-    def _consume_signals(self) -> None:
+    @staticmethod
+    def _take(inbox: QueueLike, handle: Callable[[Any], object]) -> None:
+        """Handle the next item, if one comes within :data:`POLL_S`; a ``queue.Queue``'s item is
+        then marked done, which :meth:`wait_drained` counts."""
         try:
-            data = self.signals.get(timeout=POLL_S)
+            item = inbox.get(timeout=POLL_S)
         except queue.Empty:
             return
         try:
-            signal = decode_kv_signal(data)
-            if signal is not None:
-                self.progress.advance(signal)
-                batch = self.bridge.on_kv_signal(signal)
-                if batch:
-                    self.ready.put(batch)
+            handle(item)
         finally:
-            self.signals.task_done()
+            if isinstance(inbox, queue.Queue):
+                inbox.task_done()
 
-    def _add_cache_tasks(self) -> None:
-        try:
-            half = self.cache_infos.get(timeout=POLL_S)
-        except queue.Empty:
-            return
-        try:
-            self.adder.add(half)
-        finally:
-            self.cache_infos.task_done()
+    def _consume_signal(self, data: Any) -> None:
+        signal = decode_kv_signal(data)
+        if signal is not None:
+            self.progress.advance(signal)
+            batch = self.bridge.on_kv_signal(signal)
+            if batch:
+                self.ready.put(batch)
 
-    def _send_layerwise(self) -> None:
-        try:
-            batch = self.ready.get(timeout=POLL_S)
-        except queue.Empty:
-            return
+    def _send_batch(self, batch: Batch) -> None:
         for slot, tokens in batch:
             self._send(slot, tokens)
 
