@@ -12,6 +12,7 @@ from typing import Any
 
 from .buffer import SignalBuffer
 from .keys import KeySpace
+from .protocol import decode_task
 
 PURGE_BATCH = 500
 """Keys removed per UNLINK: bounds one command's work on the server."""
@@ -62,37 +63,39 @@ def snapshot(
         if (instance is not None and inst != instance) or (rank is not None and rk != rank):
             continue
         keys = buf.protocol.keys.rank(inst, rk)
-        for field_, value in sorted(buf.client.hgetall(keys.live).items()):
-            if not _text(field_).isdigit():
-                continue  # not a slot: a marker the scripts keep in the hash
-            s = int(_text(field_))
-            if slot is not None and s != slot:
-                continue
-            holder, _, deadline = _text(value).rpartition("|")
+        documents = {_text(name): doc for name, doc in buf.client.hgetall(keys.tasks).items()}
+        for s, holder in _slot_fields(buf.client.hgetall(keys.live), slot):
+            request_id, _, deadline = holder.rpartition("|")
             if int(deadline) <= now:
                 continue  # a lapsed lease is no live task
-            task = buf.task(inst, rk, s)
+            task = decode_task(inst, rk, s, holder, documents.get(str(s)), now)
             shot.tasks.append(
                 TaskRow(
                     inst,
                     rk,
                     s,
-                    holder,
+                    request_id,
                     task.need_prefill_tokens if task else None,
                     task.num_layers if task else None,
                     int(deadline) - now,
                 )
             )
-        for field_, packed in sorted(buf.client.hgetall(keys.pending).items()):
-            if not _text(field_).isdigit():
-                continue
-            s = int(_text(field_))
-            if slot is not None and s != slot:
-                continue
-            shot.pending.extend(_pending_rows(inst, rk, s, _text(packed), now))
+        for s, packed in _slot_fields(buf.client.hgetall(keys.pending), slot):
+            shot.pending.extend(_pending_rows(inst, rk, s, packed, now))
     shot.tasks.sort(key=lambda t: (t.instance, t.rank, t.slot))
     shot.pending.sort(key=lambda p: (p.instance, p.rank, p.slot, p.layer))
     return shot
+
+
+def _slot_fields(fields: dict[Any, Any], slot: int | None) -> list[tuple[int, str]]:
+    """The per-slot fields of a live or pending hash as (slot, value), only ``slot``'s when
+    given; the other fields are markers the scripts keep in the hash."""
+    found = []
+    for name, value in fields.items():
+        key = _text(name)
+        if key.isdigit() and (slot is None or int(key) == slot):
+            found.append((int(key), _text(value)))
+    return found
 
 
 def _pending_rows(instance: str, rank: int, slot: int, packed: str, now: int) -> list[PendingRow]:
