@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..buffer import SignalBuffer
-from ..models import FinishResult
 from .bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, block_ids
 from .scripted import RecordingTransport
 from .signals import KvSignal, decode_kv_signal
@@ -36,22 +35,6 @@ ADDER_IDLE_EXIT_S = 120.0
 """A separate adder process exits after this long without a message (its parent is gone)."""
 STOP = "stop"
 """Sentinel that ends :func:`run_adder_process`."""
-
-
-class Bridge(Protocol):
-    """The three hooks the messager calls; :class:`Layer0Bridge` or :class:`UnbufferedBridge`."""
-
-    buffer: SignalBuffer
-    instance: str
-    rank: int
-    block_size: int
-    num_layers: int
-
-    def on_kv_signal(self, kv_signal_data: Any) -> Batch: ...
-
-    def on_cache_task(self, cache_info: Mapping[str, Any]) -> Batch: ...
-
-    def on_task_finished(self, current_id: int, request_id: str) -> FinishResult: ...
 
 
 class QueueLike(Protocol):
@@ -129,7 +112,7 @@ class Progress:
 class CacheTaskAdder:
     """Merges the two halves of each ``cache_info`` and registers the task once both are in."""
 
-    def __init__(self, bridge: Bridge, ready: QueueLike) -> None:
+    def __init__(self, bridge: Layer0Bridge, ready: QueueLike) -> None:
         self.bridge = bridge
         self.ready = ready
         self._halves: dict[str, dict[str, Any]] = {}
@@ -167,7 +150,7 @@ class ReferenceMessager:
 
     def __init__(
         self,
-        bridge: Bridge,
+        bridge: Layer0Bridge,
         transport: RecordingTransport,
         *,
         ready: QueueLike | None = None,
