@@ -34,7 +34,7 @@ class Handoff(Protocol):
     def counters(self, instance: str, rank: int) -> dict[str, int]:
         """Counters only the store knows (superseded, expired, silent drops) for one rank."""
 
-    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
+    def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         """(slots still holding a task, signals still pending) on one rank."""
 
     def close(self) -> None: ...
@@ -60,7 +60,7 @@ class RedisHandoff:
         raw = self.buffer.client.hgetall(self.buffer.protocol.keys.rank(instance, rank).stats)
         return {_text(k): int(v) for k, v in raw.items()}
 
-    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
+    def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         keys = self.buffer.protocol.keys.rank(instance, rank)
         live = [int(_text(s)) for s in self.buffer.client.hkeys(keys.live) if _text(s).isdigit()]
         pending = 0
@@ -112,7 +112,7 @@ class DropHandoff:
         with self.lock:
             return {f"dropped_{NO_TASK}": self.dropped.get((instance, rank), 0)}
 
-    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
+    def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         with self.lock:
             return sorted(s for (i, r, s) in self.live if (i, r) == (instance, rank)), 0
 
@@ -171,8 +171,8 @@ class LocalHandoff(DropHandoff):
         with self.lock:
             return {"superseded": self.superseded.get((instance, rank), 0)}
 
-    def leftovers(self, instance: str, rank: int, slots: int) -> tuple[list[int], int]:
-        live, _ = super().leftovers(instance, rank, slots)
+    def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
+        live, _ = super().leftovers(instance, rank)
         with self.lock:
             pending = sum(len(v) for (i, r, _s), v in self.early.items() if (i, r) == (instance, rank))
         return live, pending

@@ -92,7 +92,7 @@ def check(ctx: RankContext, sender: Sender, before: dict[str, int]) -> RankRepor
         ctx.violation(f"delivered signals for slots whose task never arrived: {sorted(sender.parked)}")
     if ctx.free.qsize() != config.batch:
         ctx.violation(f"{config.batch - ctx.free.qsize()} slots never released")
-    live, pending = ctx.handoff.leftovers(ctx.instance, ctx.rank, config.batch)
+    live, pending = ctx.handoff.leftovers(ctx.instance, ctx.rank)
     if live:
         ctx.violation(f"slots {live} still hold a task at the end")
     after = ctx.handoff.counters(ctx.instance, ctx.rank)
