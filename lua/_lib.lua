@@ -221,6 +221,18 @@ local function sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta
   return true
 end
 
+-- One slot's pending field and the pending hash's marker, read again after a sweep when one
+-- was due (the sweep may have removed the slot's expired records). register and finish start
+-- here; meta is nil when the rank has no pending hash.
+local function slot_pending(pending_key, expiry_key, stats_key, slot, now, limit)
+  local found = redis.call('HMGET', pending_key, slot, HASHTABLE_FIELD)
+  local stored, meta = found[1], read_meta(found[2])
+  if sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta) then
+    stored = redis.call('HGET', pending_key, slot)
+  end
+  return stored, meta
+end
+
 -- The live hash's marker: when the key expires and when a sweep may be due; nils if absent.
 local function read_live_marker(value)
   if not value then
@@ -233,7 +245,6 @@ end
 local function live_marker(expires, due)
   return fmt(expires) .. '|' .. fmt(due) .. '|' .. HASHTABLE_VALUE
 end
-
 
 -- Idempotency: the first reply of this call when a resend of it already ran (counted as
 -- replayed), else nil. Every operation script starts with this check.

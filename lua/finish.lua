@@ -29,11 +29,7 @@ end
 local now = now_ms(ARGV[1])
 local slot, request_id = ARGV[2], ARGV[3]
 
-local found = redis.call('HMGET', pending_key, slot, HASHTABLE_FIELD)
-local stored = found[1]
-if sweep_if_due(pending_key, expiry_key, stats_key, now, tonumber(ARGV[5]), read_meta(found[2])) then
-  stored = redis.call('HGET', pending_key, slot)
-end
+local stored = slot_pending(pending_key, expiry_key, stats_key, slot, now, tonumber(ARGV[5]))
 
 local reply
 local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now)

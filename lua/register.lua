@@ -36,12 +36,7 @@ local slot, request_id = ARGV[2], ARGV[3]
 local need, num_layers = tonumber(ARGV[4]), tonumber(ARGV[5])
 local task_ttl = tonumber(ARGV[7])
 
-local found = redis.call('HMGET', pending_key, slot, HASHTABLE_FIELD)
-local stored = found[1]
-local meta = read_meta(found[2])
-if sweep_if_due(pending_key, expiry_key, stats_key, now, tonumber(ARGV[10]), meta) then
-  stored = redis.call('HGET', pending_key, slot)
-end
+local stored, meta = slot_pending(pending_key, expiry_key, stats_key, slot, now, tonumber(ARGV[10]))
 
 local live = redis.call('HMGET', live_key, slot, HASHTABLE_FIELD)
 local holder, alive = parse_holder(live[1], now)
