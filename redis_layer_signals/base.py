@@ -65,10 +65,3 @@ class BufferBase:
         """Connect by URL (``RLS_REDIS_URL``, default ``memory://``); see :mod:`.connection`."""
         config, passthrough = BufferConfig.for_url(url, options)
         return cls(cls.make_client(config.url, config.retry_s), **config.options(), **passthrough)
-
-
-def text(value: Any) -> str:
-    """A reply as text, whether the client decodes responses or not (None: empty)."""
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 from redis.exceptions import NoScriptError
 
 from . import connection, replication
-from .base import BufferBase, text
+from .base import BufferBase
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
-from .protocol import Prepared, ScriptCall, decode_task, parse_pending, sum_stats
+from .protocol import Prepared, ScriptCall, decode_task, parse_pending, sum_stats, text
 from .retry import RETRYABLE, Attempts
 
 T = TypeVar("T")

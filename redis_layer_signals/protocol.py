@@ -54,12 +54,15 @@ class Prepared(Generic[T]):
     parse: Callable[[Any], T]
 
 
-def _text(reply: Any) -> str:
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
+def text(value: Any) -> str:
+    """A reply as text, whether the client decodes responses or not (None: empty)."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _split(reply: Any) -> tuple[str, int, str]:
-    status, now, payload = _text(reply).split("|", 2)
+    status, now, payload = text(reply).split("|", 2)
     return status, int(now), payload
 
 
@@ -69,8 +72,19 @@ def _ms(seconds: float) -> str:
 
 _SIGNAL_FIELDS = ("instance", "rank", "slot", "layer", "tokens", "request_id", "recorded_at_ms")
 _FAST_SIGNALS = tuple(f.name for f in fields(LayerSignal)) == _SIGNAL_FIELDS and "__slots__" not in vars(LayerSignal)
-"""Whether :func:`split_signals` may fill LayerSignal's ``__dict__`` directly: only while the
+"""Whether :func:`_signal` may fill LayerSignal's ``__dict__`` directly: only while the
 dataclass has exactly these fields and no slots (checked once, at import)."""
+
+
+def _signal(state: dict[str, Any]) -> LayerSignal:
+    """A LayerSignal from its fields. Result lists hold up to 512 of them per call, and a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``; filling
+    ``__dict__`` builds the same object (equal, hashable, immutable) in a quarter of the time."""
+    if not _FAST_SIGNALS:
+        return LayerSignal(**state)
+    signal = object.__new__(LayerSignal)
+    signal.__dict__.update(state)
+    return signal
 
 
 def split_signals(
@@ -78,9 +92,9 @@ def split_signals(
 ) -> tuple[list[LayerSignal], list[LayerSignal]]:
     """The batch's signals split by the script's flags (D delivered, B buffered), in order.
 
-    A 512-entry batch makes 512 frozen dataclasses, whose ``__init__`` sets each field through
-    ``object.__setattr__``: 0.5 ms, more than the call's round trip. Filling ``__dict__`` builds
-    the same objects (equal, hashable, immutable) in a quarter of the time.
+    Every record call builds these, up to 512, so the loop fills ``__dict__`` inline, with the
+    fields common to the batch copied from one dict (about 30 % faster than calling
+    :func:`_signal` per entry).
     """
     delivered: list[LayerSignal] = []
     buffered: list[LayerSignal] = []
@@ -115,21 +129,21 @@ def recovery(
     layer order) as recovered signals and dropped ones with their reasons."""
     recovered: list[LayerSignal] = []
     dropped: list[tuple[LayerSignal, DropReason]] = []
-    common = {"instance": instance, "rank": rank, "slot": slot}
     for record in payload.split(";"):
         if not record:
             continue
         layer, tokens, rid, at, reason = record.split(",")
-        if _FAST_SIGNALS:
-            signal = object.__new__(LayerSignal)
-            state = signal.__dict__
-            state.update(common)
-            state["layer"] = int(layer)
-            state["tokens"] = int(tokens)
-            state["request_id"] = rid or None
-            state["recorded_at_ms"] = int(at)
-        else:
-            signal = LayerSignal(instance, rank, slot, int(layer), int(tokens), rid or None, int(at))
+        signal = _signal(
+            {
+                "instance": instance,
+                "rank": rank,
+                "slot": slot,
+                "layer": int(layer),
+                "tokens": int(tokens),
+                "request_id": rid or None,
+                "recorded_at_ms": int(at),
+            }
+        )
         if reason:
             dropped.append((signal, _REASONS[reason]))
         else:
@@ -320,10 +334,10 @@ def decode_task(instance: str, rank: int, slot: int, holder: Any, document: Any,
     """The live task of a slot from its live entry and document, or None when absent or lapsed."""
     if holder is None or document is None:
         return None
-    request_id, deadline = _text(holder).rsplit("|", 1)
+    request_id, deadline = text(holder).rsplit("|", 1)
     if int(deadline) <= now_ms:
         return None
-    doc = json.loads(_text(document))
+    doc = json.loads(text(document))
     if doc["request_id"] != request_id:
         return None
     return CacheTask(
@@ -343,7 +357,7 @@ def sum_stats(hashes: Sequence[dict[Any, Any]]) -> dict[str, int]:
     totals = dict.fromkeys(COUNTERS, 0)
     for counters in hashes:
         for name, value in counters.items():
-            key = _text(name)
+            key = text(name)
             totals[key] = totals.get(key, 0) + int(value)
     # record.lua counts delivered and buffered only: one counter write fewer per call.
     totals["recorded"] = totals["delivered"] + totals["buffered"]
