@@ -69,10 +69,10 @@ class Layer0Bridge:
         whose task is live come back at once; the others wait in the buffer for their task.
         Empty reads and later layers return ``[]`` and touch nothing.
         """
-        signal = kv_signal_data if isinstance(kv_signal_data, KvSignal) else decode_kv_signal(kv_signal_data)
-        if signal is None or signal.layer != SIGNAL_LAYER or not signal.entries:
+        entries = layer0_entries(kv_signal_data)
+        if not entries:
             return []
-        result = self.buffer.record(self.instance, self.rank, SIGNAL_LAYER, list(signal.entries))
+        result = self.buffer.record(self.instance, self.rank, SIGNAL_LAYER, entries)
         if result.buffered:
             logger.debug("buffered early layer-0 signals for slots %s", [s.slot for s in result.buffered])
         return [(s.slot, s.tokens) for s in result.delivered]
@@ -130,6 +130,15 @@ class Layer0Bridge:
             decode_cached_tokens=_int_field(cache_info, "decode_cached_tokens", default=0),
             meta=meta,
         )
+
+
+def layer0_entries(kv_signal_data: Any) -> Batch:
+    """The ``(slot, prefilled_tokens)`` entries of a layer-0 message (raw or decoded); ``[]``
+    for an empty read or a later layer. A list, the batch shape ``record`` checks fastest."""
+    signal = kv_signal_data if isinstance(kv_signal_data, KvSignal) else decode_kv_signal(kv_signal_data)
+    if signal is None or signal.layer != SIGNAL_LAYER:
+        return []
+    return list(signal.entries)
 
 
 def block_ids(task: CacheTask, field: str) -> list[int]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..buffer import SignalBuffer
-from .bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, block_ids
+from .bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, block_ids, layer0_entries
 from .scripted import RecordingTransport
 from .signals import KvSignal, decode_kv_signal
 
@@ -53,11 +53,8 @@ class UnbufferedBridge(Layer0Bridge):
     """
 
     def on_kv_signal(self, kv_signal_data: Any) -> Batch:
-        signal = kv_signal_data if isinstance(kv_signal_data, KvSignal) else decode_kv_signal(kv_signal_data)
-        if signal is None or signal.layer != 0:
-            return []
         ready = []
-        for slot, tokens in signal.entries:
+        for slot, tokens in layer0_entries(kv_signal_data):
             if self.buffer.task(self.instance, self.rank, slot) is None:
                 logger.warning("no cache task for slot %d yet: layer-0 signal dropped", slot)
             else:
