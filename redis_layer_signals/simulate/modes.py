@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..buffer import SignalBuffer
+from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
 from ..protocol import parse_pending
 from .config import Mode, SimConfig
@@ -36,6 +37,10 @@ class Handoff(Protocol):
 
     def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         """(slots still holding a task, signals still pending) on one rank."""
+
+    def stray_keys(self, instance: str, rank: int) -> list[str]:
+        """Keys of one rank the store still holds at the end, but its counters (and retry
+        tokens on their TTL): none where the store is this process's dicts."""
 
     def close(self) -> None: ...
 
@@ -68,6 +73,17 @@ class RedisHandoff:
             if _text(slot_field).isdigit():  # other fields are the scripts' markers
                 pending += len(parse_pending(instance, rank, int(_text(slot_field)), _text(packed)))
         return sorted(live), pending
+
+    def stray_keys(self, instance: str, rank: int) -> list[str]:
+        client = self.buffer.client
+        tag = self.buffer.protocol.keys.rank(instance, rank).tag
+        stray = []
+        for raw in client.scan_iter(match=f"{KEY_PREFIX}:{tag}:*", count=1000):
+            key = _text(raw)
+            if key.endswith(":stats") or (":reply:" in key and int(client.pttl(key)) > 0):
+                continue
+            stray.append(key)
+        return stray
 
     def close(self) -> None:
         self.buffer.close()
@@ -115,6 +131,9 @@ class DropHandoff:
     def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         with self.lock:
             return sorted(s for (i, r, s) in self.live if (i, r) == (instance, rank)), 0
+
+    def stray_keys(self, instance: str, rank: int) -> list[str]:
+        return []
 
     def close(self) -> None:
         pass

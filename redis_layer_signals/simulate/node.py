@@ -8,10 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..keys import KeySpace
 from .channels import Channel, LocalChannel, RedisChannel, inbox_key
-from .config import Mode, SimConfig
-from .modes import Handoff, RedisHandoff
+from .config import SimConfig
+from .modes import Handoff
 from .producer import produce
 from .rank import RankContext
 from .report import RankReport
@@ -99,8 +98,8 @@ def check(ctx: RankContext, sender: Sender, before: dict[str, int]) -> RankRepor
     for name in ("superseded", "expired", "dropped_no_task"):
         ctx.count(name, after.get(name, 0) - before.get(name, 0))
     accounting(ctx, pending)
-    if config.mode is Mode.REDIS:
-        keys_left(ctx)
+    for key in ctx.handoff.stray_keys(ctx.instance, ctx.rank):
+        ctx.violation(f"key left in Redis: {key}")
     return RankReport(ctx.instance, ctx.rank, dict(ctx.counts), lost, duplicates, ctx.record_ms, list(ctx.violations))
 
 
@@ -116,18 +115,3 @@ def accounting(ctx: RankContext, pending: int) -> None:
         ctx.violation(f"accounting: buffered {c.get('buffered', 0)} != ended {ended} + pending {pending}")
     if pending:
         ctx.violation(f"{pending} signals still pending at the end")
-
-
-def keys_left(ctx: RankContext) -> None:
-    """Nothing of the rank may stay in Redis but its counters (and retry tokens on their TTL)."""
-    handoff = ctx.handoff
-    assert isinstance(handoff, RedisHandoff)
-    client = handoff.buffer.client
-    tag = KeySpace(ctx.config.namespace).rank(ctx.instance, ctx.rank).tag
-    for raw in client.scan_iter(match=f"rls:{tag}:*", count=1000):
-        key = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if key.endswith(":stats"):
-            continue
-        if ":reply:" in key and int(client.pttl(key)) > 0:
-            continue
-        ctx.violation(f"key left in Redis: {key}")
