@@ -12,7 +12,7 @@ from typing import Any
 
 from .buffer import SignalBuffer
 from .keys import KeySpace
-from .protocol import decode_task
+from .protocol import decode_task, text
 
 PURGE_BATCH = 500
 """Keys removed per UNLINK: bounds one command's work on the server."""
@@ -63,7 +63,7 @@ def snapshot(
         if (instance is not None and inst != instance) or (rank is not None and rk != rank):
             continue
         keys = buf.protocol.keys.rank(inst, rk)
-        documents = {_text(name): doc for name, doc in buf.client.hgetall(keys.tasks).items()}
+        documents = {text(name): doc for name, doc in buf.client.hgetall(keys.tasks).items()}
         for s, holder in _slot_fields(buf.client.hgetall(keys.live), slot):
             request_id, _, deadline = holder.rpartition("|")
             if int(deadline) <= now:
@@ -92,9 +92,9 @@ def _slot_fields(fields: dict[Any, Any], slot: int | None) -> list[tuple[int, st
     given; the other fields are markers the scripts keep in the hash."""
     found = []
     for name, value in fields.items():
-        key = _text(name)
+        key = text(name)
         if key.isdigit() and (slot is None or int(key) == slot):
-            found.append((int(key), _text(value)))
+            found.append((int(key), text(value)))
     return found
 
 
@@ -116,7 +116,7 @@ def namespace_keys(client: Any, namespace: str) -> list[str]:
     found = []
     for key in client.scan_iter(match=space.pattern(), count=1000):
         if space.owner(key) is not None:
-            found.append(_text(key))
+            found.append(text(key))
     return sorted(found)
 
 
@@ -127,7 +127,3 @@ def purge(client: Any, namespace: str) -> int:
     for start in range(0, len(keys), PURGE_BATCH):
         removed += int(client.unlink(*keys[start : start + PURGE_BATCH]))
     return removed
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..buffer import SignalBuffer
 from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
-from ..protocol import parse_pending
+from ..protocol import parse_pending, text
 from .config import Mode, SimConfig
 
 Slot = tuple[str, int, int]
@@ -63,15 +63,15 @@ class RedisHandoff:
 
     def counters(self, instance: str, rank: int) -> dict[str, int]:
         raw = self.buffer.client.hgetall(self.buffer.protocol.keys.rank(instance, rank).stats)
-        return {_text(k): int(v) for k, v in raw.items()}
+        return {text(k): int(v) for k, v in raw.items()}
 
     def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         keys = self.buffer.protocol.keys.rank(instance, rank)
-        live = [int(_text(s)) for s in self.buffer.client.hkeys(keys.live) if _text(s).isdigit()]
+        live = [int(text(s)) for s in self.buffer.client.hkeys(keys.live) if text(s).isdigit()]
         pending = 0
         for slot_field, packed in self.buffer.client.hgetall(keys.pending).items():
-            if _text(slot_field).isdigit():  # other fields are the scripts' markers
-                pending += len(parse_pending(instance, rank, int(_text(slot_field)), _text(packed)))
+            if text(slot_field).isdigit():  # other fields are the scripts' markers
+                pending += len(parse_pending(instance, rank, int(text(slot_field)), text(packed)))
         return sorted(live), pending
 
     def stray_keys(self, instance: str, rank: int) -> list[str]:
@@ -79,7 +79,7 @@ class RedisHandoff:
         tag = self.buffer.protocol.keys.rank(instance, rank).tag
         stray = []
         for raw in client.scan_iter(match=f"{KEY_PREFIX}:{tag}:*", count=1000):
-            key = _text(raw)
+            key = text(raw)
             if key.endswith(":stats") or (":reply:" in key and int(client.pttl(key)) > 0):
                 continue
             stray.append(key)
@@ -207,7 +207,3 @@ def make_handoff(config: SimConfig) -> Handoff:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
