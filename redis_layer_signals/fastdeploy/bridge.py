@@ -14,7 +14,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .. import validation
 from ..buffer import SignalBuffer
+from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidTask
 from ..models import CacheTask, FinishResult
 from .signals import KvSignal, decode_kv_signal
@@ -52,10 +54,8 @@ class Layer0Bridge:
         *,
         num_layers: int,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidConfig("block_size", block_size, "must be a positive int")
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise InvalidConfig("num_layers", num_layers, "must be a positive int")
+        validation.integer(block_size, "block_size", InvalidConfig, 1, MAX_INT)
+        validation.integer(num_layers, "num_layers", InvalidConfig, 1, MAX_INT)
         self.buffer = buffer
         self.instance = instance
         self.rank = rank
@@ -154,21 +154,19 @@ def _required(cache_info: Mapping[str, Any], field: str) -> Any:
 
 
 def _int_field(cache_info: Mapping[str, Any], field: str, default: int | None = None) -> int:
-    """An int field; numpy and paddle scalars are accepted through ``__index__``, bools are not."""
     if field not in cache_info and default is not None:
         return default
-    value = _required(cache_info, field)
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidTask(field, value, "must be an int")
-    return int(value.__index__())
+    return _as_int(_required(cache_info, field), field)
 
 
 def _join_ints(values: Any, field: str) -> str:
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
         raise InvalidTask(field, values, "must be a list of block ids")
-    parts = []
-    for index, value in enumerate(values):
-        if isinstance(value, bool) or not hasattr(value, "__index__"):
-            raise InvalidTask(f"{field}[{index}]", value, "must be an int")
-        parts.append(str(int(value.__index__())))
-    return ",".join(parts)
+    return ",".join([str(_as_int(value, f"{field}[{index}]")) for index, value in enumerate(values)])
+
+
+def _as_int(value: Any, field: str) -> int:
+    """An int; numpy and paddle scalars are accepted through ``__index__``, bools are not."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidTask(field, value, "must be an int")
+    return int(value.__index__())
