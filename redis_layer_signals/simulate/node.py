@@ -30,10 +30,9 @@ def run_ranks(
     progress: Callable[[int], None],
     client: Any = None,
     inboxes: Callable[[str, int], LocalChannel] | None = None,
-    run: str = "",
 ) -> list[RankReport]:
     """Run the ranks to the end. Registration notices reach a rank through ``inboxes`` (threads
-    of one process) or, when ``client`` is set, through its Redis list."""
+    of one process) or, when ``client`` is set, through its Redis list, named after ``run_id``."""
     deadline = time.monotonic() + config.timeout_s
     contexts = []
     for r in ranks:
@@ -43,7 +42,7 @@ def run_ranks(
         if inboxes is not None:
             ctx.inbox = inboxes(instance, r)
         else:
-            ctx.reply_to = inbox_key(config.namespace, instance, r, run)
+            ctx.reply_to = inbox_key(config.namespace, instance, r, run_id)
         contexts.append(ctx)
     for ctx in contexts:
         ctx.counts["requests"] = len(ctx.requests)

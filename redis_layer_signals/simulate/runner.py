@@ -195,7 +195,7 @@ def run_node(
     handoff = make_handoff(config)
     try:
         registrar = RedisChannel(client, inbox_key(config.namespace, *REGISTRAR, run))
-        return run_ranks(config, run_id, instance, ranks, handoff, registrar, tick, client=client, run=run_id)
+        return run_ranks(config, run_id, instance, ranks, handoff, registrar, tick, client=client)
     finally:
         handoff.close()
         client.close()
