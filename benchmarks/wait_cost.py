@@ -11,69 +11,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
-
-import redis
 
 from redis_layer_signals import CacheTask, SignalBuffer
+from redis_layer_signals.bench.server import LocalRedis
 
 AOF_ALWAYS = ["--appendonly", "yes", "--appendfsync", "always"]
 NO_PERSISTENCE = ["--appendonly", "no"]
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _server(extra: list[str]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
-    port, directory = _free_port(), tempfile.mkdtemp(prefix="rls-wait-bench-")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed")
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", ""]
-    command += ["--logfile", str(Path(directory) / "redis.log"), "--repl-diskless-sync-delay", "0", *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(port=port, socket_timeout=1)
-        for _ in range(300):
-            with contextlib.suppress(redis.ConnectionError):
-                if client.ping():
-                    break
-            time.sleep(0.02)
-        client.close()
-        yield port, process
-    finally:
-        process.kill()
-        process.wait(10)
-        shutil.rmtree(directory, ignore_errors=True)
+FAST_SYNC = ["--repl-diskless-sync-delay", "0"]
 
 
 @contextlib.contextmanager
 def primary_with_replica(persistence: list[str]) -> Iterator[str]:
-    with (
-        _server(persistence) as (primary, _),
-        _server([*persistence, "--replicaof", "127.0.0.1", str(primary)]) as (
-            replica,
-            _,
-        ),
-    ):
-        client = redis.Redis(port=replica)
+    primary = LocalRedis([*FAST_SYNC, *persistence])
+    replica = LocalRedis([*FAST_SYNC, *persistence, "--replicaof", "127.0.0.1", str(primary.port)])
+    with primary as url, replica:
+        client = replica.client()
         for _ in range(500):
             if client.info("replication").get("master_link_status") == "up":
                 break
             time.sleep(0.02)
         client.close()
-        yield f"redis://127.0.0.1:{primary}/0"
+        yield url
 
 
 def measure(url: str, wait_replicas: int, operation: str, batch: int, calls: int) -> tuple[float, float, float]:

@@ -1,22 +1,32 @@
-"""A throwaway redis-server for a benchmark run: free port, temp dir, no persistence.
+"""A throwaway redis-server: free port, temp dir, no persistence unless asked for.
 
-The benchmark never touches a server it did not start unless given ``--redis URL``.
+The one starter of the project: the benchmark runs on it (``with LocalRedis() as url:``),
+``benchmarks/wait_cost.py`` builds its primary and replica from it, and the tests' servers
+(``tests/servers.py``) extend it with restarts. The benchmark never touches a server it did
+not start unless given ``--redis URL``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import redis
 
+REDIS_SERVER = "redis-server"
 START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 10.0
+
+Server = TypeVar("Server", bound="LocalRedis")
 
 
 class BenchServerError(OSError):
@@ -24,60 +34,91 @@ class BenchServerError(OSError):
     command line reports it in one line)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
 class LocalRedis:
-    """``with LocalRedis() as url:`` a fresh redis-server for the duration of the block."""
+    """One redis-server process on ``port`` (a free one by default) with ``args`` appended to
+    its command line (later options win). ``start``/``stop``/``kill`` keep the port and data
+    dir, ``cleanup`` also removes the dir; ``with LocalRedis() as url:`` does all of it."""
 
-    def __init__(self, binary: str = "redis-server") -> None:
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        port: int | None = None,
+        directory: str | None = None,
+        binary: str = REDIS_SERVER,
+    ) -> None:
         found = shutil.which(binary)
         if found is None:
             raise BenchServerError(f"{binary} is not installed (apt-get install redis-server)")
         self.binary = found
-        self.port = _free_port()
-        self.dir = tempfile.mkdtemp(prefix="rls-bench-")
+        self.port = port or free_port()
+        self.dir = directory or tempfile.mkdtemp(prefix="rls-redis-")
+        self.args = list(args)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> str:
-        log = str(Path(self.dir) / "redis.log")
+    @property
+    def logfile(self) -> Path:
+        return Path(self.dir) / "redis.log"
+
+    def command(self) -> list[str]:
         command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir]
-        command += ["--save", "", "--appendonly", "no", "--logfile", log, "--daemonize", "no"]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise BenchServerError(f"redis-server exited with {self.process.returncode}; see {log}")
-            with contextlib.suppress(redis.ConnectionError):
-                if client.ping():
-                    client.close()
-                    return self.url
-            time.sleep(0.02)
+        command += ["--save", "", "--appendonly", "no", "--logfile", str(self.logfile), "--daemonize", "no"]
+        return command + self.args
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kwargs)  # type: ignore[arg-type]
+
+    def start(self: Server) -> Server:
+        """Start the process and return once it answers PING; raise at once if it exits."""
+        process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = process
+        client = self.client()
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    log = self.logfile.read_text() if self.logfile.exists() else ""
+                    raise BenchServerError(f"redis-server exited with {process.returncode}: {log[-2000:]}")
+                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                    if client.ping():
+                        return self
+                time.sleep(0.02)
+        finally:
+            client.close()
         self.stop()
         raise BenchServerError(f"redis-server did not answer on port {self.port} within {START_TIMEOUT_S}s")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save, clients see a reset."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=STOP_TIMEOUT_S)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+                self.kill()
+
+    def cleanup(self) -> None:
+        self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> str:
-        return self.start()
+        return self.start().url
 
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
     ) -> None:
-        self.stop()
+        self.cleanup()
