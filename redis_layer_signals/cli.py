@@ -195,7 +195,7 @@ def node_command(
     preflight(config)
     with _progress() as progress:
         task = progress.add_task(f"node {instance}", total=ranks * requests)
-        summary = node_summary(config, instance, ranks, lambda n: progress.advance(task, n))
+        summary = node_summary(config, instance, lambda n: progress.advance(task, n))
     finish_run(summary, json_path)
 
 

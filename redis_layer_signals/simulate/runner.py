@@ -215,9 +215,10 @@ def run_registrar(config: SimConfig, idle_exit_s: float = 0.0, run: str = "") ->
         client.close()
 
 
-def node_summary(config: SimConfig, instance: str, ranks: int, tick: Progress | None = None) -> Summary:
-    """``rls node``: one node's ranks against a shared Redis and registrar, checked."""
+def node_summary(config: SimConfig, instance: str, tick: Progress | None = None) -> Summary:
+    """``rls node``: one node's ``config.ranks`` ranks against a shared Redis and registrar,
+    checked."""
     require_shared(config, "node")
     started = time.monotonic()
-    reports = run_node(config, secrets.token_hex(3), instance, list(range(ranks)), tick or (lambda _n: None))
+    reports = run_node(config, secrets.token_hex(3), instance, list(range(config.ranks)), tick or (lambda _n: None))
     return summarize(config.mode.value, config.seed, 1, time.monotonic() - started, reports, [], [])
