@@ -15,28 +15,6 @@ def _evalsha(client: Any) -> tuple[int, int]:
     return int(stats.get("calls", 0)), int(stats.get("usec", 0))
 
 
-class ServerClock:
-    """Adds up EVALSHA calls and microseconds over several measured stretches."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.calls = 0
-        self.usec = 0
-
-    def around(self, action: Callable[[], T]) -> T:
-        calls_before, usec_before = _evalsha(self.client)
-        result = action()
-        calls_after, usec_after = _evalsha(self.client)
-        self.calls += calls_after - calls_before
-        self.usec += usec_after - usec_before
-        return result
-
-    def per_call(self) -> float:
-        if self.calls <= 0:
-            raise RuntimeError("no EVALSHA reached the server while measuring its time")
-        return self.usec / self.calls
-
-
 def server_time(client: Any, action: Callable[[], T]) -> tuple[T, float]:
     """Run ``action``; return its result and the server's microseconds per EVALSHA it made."""
     calls_before, usec_before = _evalsha(client)

@@ -10,14 +10,13 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from . import contention, external, memory, names, report, scaling
-from .baselines import Floor
 from .machine import describe
 from .scenarios import SyncCases, async_cases
 from .server import LocalRedis
@@ -49,7 +48,6 @@ class BenchConfig:
     redis_benchmark_requests: int = 20000
     memory_slots: int = 512
     with_async: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
@@ -182,4 +180,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["BenchConfig", "Floor", "main", "run", "write"]
+__all__ = ["BenchConfig", "main", "run", "write"]

@@ -46,34 +46,6 @@ def summarize(samples_ns: list[int], signals_per_call: int, wall_s: float) -> Su
     )
 
 
-def measure(call: Callable[[int], object], iterations: int, warmup: int, signals_per_call: int) -> Summary:
-    """Time ``call(i)`` once per iteration after ``warmup`` untimed calls."""
-    for i in range(warmup):
-        call(i)
-    samples: list[int] = []
-    clock = time.perf_counter_ns
-    started = clock()
-    for i in range(warmup, warmup + iterations):
-        before = clock()
-        call(i)
-        samples.append(clock() - before)
-    return summarize(samples, signals_per_call, (clock() - started) / 1e9)
-
-
-async def measure_async(call: Callable[[int], Any], iterations: int, warmup: int, signals_per_call: int) -> Summary:
-    """:func:`measure` for a coroutine function."""
-    for i in range(warmup):
-        await call(i)
-    samples: list[int] = []
-    clock = time.perf_counter_ns
-    started = clock()
-    for i in range(warmup, warmup + iterations):
-        before = clock()
-        await call(i)
-        samples.append(clock() - before)
-    return summarize(samples, signals_per_call, (clock() - started) / 1e9)
-
-
 def measure_interleaved(
     calls: Mapping[str, Callable[[int], object]], iterations: int, warmup: int, signals_per_call: int
 ) -> dict[str, Summary]:
