@@ -12,17 +12,14 @@ import pytest
 from redis_layer_signals import BufferUnavailable, InvalidConfig, InvalidSignal, InvalidTask, SignalBuffer
 from redis_layer_signals.fastdeploy import KV_SIGNAL_LENGTH, KvSignal, Layer0Bridge
 from redis_layer_signals.fastdeploy.bridge import block_ids
+from redis_layer_signals.fastdeploy.signals import encode_kv_signal
 from tests.servers import running
 
 LAYERS = 4
 
 
 def kv(layer: int, *entries: tuple[int, int, int]) -> Any:
-    values = np.full(KV_SIGNAL_LENGTH, -1, dtype=np.int32)
-    values[0], values[1] = len(entries), layer
-    for i, entry in enumerate(entries):
-        values[2 + 3 * i : 5 + 3 * i] = entry
-    return values
+    return encode_kv_signal(layer, entries)
 
 
 def cache_info(slot: Any = 5, request_id: str = "req-1", need: int = 300, **extra: Any) -> dict[str, Any]:

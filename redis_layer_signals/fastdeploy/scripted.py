@@ -14,10 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import InvalidSignal
-from .signals import KV_SIGNAL_ENTRY_WIDTH, KV_SIGNAL_HEADER, KV_SIGNAL_LENGTH, KV_SIGNAL_MAX_TASKS, NO_SIGNAL
+from .signals import KV_SIGNAL_MAX_TASKS, encode_kv_signal
 
 DEST_BLOCK_BASE = 100_000
 """Decode-side block ids start here, so a write's source and destination never look alike."""
@@ -130,11 +128,7 @@ class ScriptedGpu:
 
     def signal_tensor(self, layer: int, entries: Sequence[tuple[int, int, int]]) -> Any:
         """A CPU paddle tensor laid out like ``kv_signal_data`` (unused tail left at -1)."""
-        values = np.full(KV_SIGNAL_LENGTH, NO_SIGNAL, dtype=np.int32)
-        values[0] = len(entries)
-        values[1] = layer
-        end = KV_SIGNAL_HEADER + KV_SIGNAL_ENTRY_WIDTH * len(entries)
-        values[KV_SIGNAL_HEADER:end] = np.asarray(entries, dtype=np.int32).reshape(-1)
+        values = encode_kv_signal(layer, entries)
         return self.paddle.to_tensor(values, dtype="int32", place=self.paddle.CPUPlace())
 
     def complete(self, layer: int, src_block: int) -> bool:

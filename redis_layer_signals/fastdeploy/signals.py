@@ -13,6 +13,7 @@ so this module works with numpy alone.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,18 @@ def decode_kv_signal(kv_signal_data: Any) -> KvSignal | None:
         _check_column(offsets, offsets < 0, "chunk_token_offset", ">= 0")
         _check_column(lengths, lengths < 0, "current_seq_len", ">= 0")
     return KvSignal(layer, tuple(zip(slots.tolist(), (offsets + lengths).tolist(), strict=True)))
+
+
+def encode_kv_signal(layer: int, entries: Sequence[tuple[int, int, int]]) -> np.ndarray[Any, np.dtype[np.int32]]:
+    """The inverse of :func:`decode_kv_signal`: a ``kv_signal_data`` array for ``layer`` with
+    ``(engine_idx, chunk_token_offset, current_seq_len)`` entries, the unused tail left at -1,
+    as the engine's signal op fills it. For stand-ins and tests; nothing is checked."""
+    values = np.full(KV_SIGNAL_LENGTH, NO_SIGNAL, dtype=np.int32)
+    values[0] = len(entries)
+    values[1] = layer
+    end = KV_SIGNAL_HEADER + KV_SIGNAL_ENTRY_WIDTH * len(entries)
+    values[KV_SIGNAL_HEADER:end] = np.asarray(entries, dtype=np.int32).reshape(-1)
+    return values
 
 
 def _check_column(column: np.ndarray[Any, Any], bad: np.ndarray[Any, Any], name: str, rule: str) -> None:
