@@ -6,6 +6,7 @@ from typing import Any
 
 from ..buffer import SignalBuffer
 from ..models import CacheTask
+from .names import scratch_buffer
 
 INSTANCE = "mem"
 RANK = 0
@@ -22,31 +23,23 @@ def _usage(client: Any, keys: list[str]) -> int:
 
 def pending_bytes(url: str, namespace: str, slots: int, layers: int) -> dict[str, Any]:
     """Buffer ``slots`` x ``layers`` early signals on one rank; bytes of pending + expiry each."""
-    buf = SignalBuffer.from_url(url, namespace=namespace, max_slots=max(slots, 1), env={})
-    try:
+    with scratch_buffer(url, namespace, INSTANCE, RANK, max_slots=max(slots, 1)) as buf:
         for layer in range(layers):
             buf.record(INSTANCE, RANK, layer, [(slot, 1024 + slot) for slot in range(slots)])
         keys = buf.protocol.keys.rank(INSTANCE, RANK)
         used = _usage(buf.client, [keys.pending, keys.expiry])
-        signals = slots * layers
-        return {"slots": slots, "layers": layers, "signals": signals, "bytes": used, "per_signal": used / signals}
-    finally:
-        buf.client.delete(*buf.protocol.keys.rank(INSTANCE, RANK).per_request)
-        buf.close()
+    signals = slots * layers
+    return {"slots": slots, "layers": layers, "signals": signals, "bytes": used, "per_signal": used / signals}
 
 
 def task_bytes(url: str, namespace: str, tasks: int) -> dict[str, Any]:
     """Register ``tasks`` tasks (empty meta) on one rank; bytes of live + tasks each."""
-    buf = SignalBuffer.from_url(url, namespace=namespace, max_slots=max(tasks, 1), env={})
-    try:
+    with scratch_buffer(url, namespace, INSTANCE, RANK, max_slots=max(tasks, 1)) as buf:
         for slot in range(tasks):
             buf.register(CacheTask(INSTANCE, RANK, slot, f"req-{slot}", need_prefill_tokens=4096, num_layers=61))
         keys = buf.protocol.keys.rank(INSTANCE, RANK)
         used = _usage(buf.client, [keys.live, keys.tasks])
-        return {"tasks": tasks, "bytes": used, "per_task": used / tasks}
-    finally:
-        buf.client.delete(*buf.protocol.keys.rank(INSTANCE, RANK).per_request)
-        buf.close()
+    return {"tasks": tasks, "bytes": used, "per_task": used / tasks}
 
 
 def reply_bytes(url: str, namespace: str) -> dict[str, Any]:

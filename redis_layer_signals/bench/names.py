@@ -3,8 +3,12 @@ run removes exactly what it wrote when it ends, even on a server it was given wi
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import Any
+
+from ..buffer import SignalBuffer
 
 RUN_ID = uuid.uuid4().hex[:8]
 NAMESPACE_PREFIX = f"bench-{RUN_ID}-"
@@ -25,6 +29,18 @@ def naive_prefix() -> str:
 
 def floor_key() -> str:
     return f"{FLOOR_PREFIX}:{{{NAMESPACE_PREFIX}floor}}"
+
+
+@contextlib.contextmanager
+def scratch_buffer(url: str, namespace: str, instance: str, rank: int, **options: Any) -> Iterator[SignalBuffer]:
+    """A buffer of this run for one measurement; the per-request keys it wrote on
+    ``instance``/``rank`` are deleted when the block ends, so later cases start clean."""
+    buf = SignalBuffer.from_url(url, namespace=namespace, env={}, **options)
+    try:
+        yield buf
+    finally:
+        buf.client.delete(*buf.protocol.keys.rank(instance, rank).per_request)
+        buf.close()
 
 
 def cleanup(client: Any) -> int:

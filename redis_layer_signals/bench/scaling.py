@@ -3,6 +3,7 @@ buffers more signals elsewhere, per register as its slot holds more pending laye
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..buffer import SignalBuffer
@@ -16,8 +17,8 @@ NUM_LAYERS = 61
 CALLS = 50
 
 
-def _buffer(url: str, max_slots: int = 512) -> SignalBuffer:
-    return SignalBuffer.from_url(url, namespace=names.namespace("scale"), max_slots=max_slots, env={})
+def _buffer(url: str) -> contextlib.AbstractContextManager[SignalBuffer]:
+    return names.scratch_buffer(url, names.namespace("scale"), INSTANCE, RANK)
 
 
 def record_vs_elsewhere(
@@ -26,8 +27,7 @@ def record_vs_elsewhere(
     """Server time of a 1-entry record on slot 0 while slots 1..511 hold ``layers`` signals each."""
     rows = []
     for layers in elsewhere_layers:
-        buf = _buffer(url)
-        try:
+        with _buffer(url) as buf:
             for layer in range(layers):
                 buf.record(INSTANCE, RANK, layer, [(slot, 1000) for slot in range(1, 512)])
 
@@ -37,9 +37,6 @@ def record_vs_elsewhere(
 
             _, usec = server_time(buf.client, run)
             rows.append({"buffered_elsewhere": 511 * layers, "server_us_per_call": usec})
-        finally:
-            buf.client.delete(*buf.protocol.keys.rank(INSTANCE, RANK).per_request)
-            buf.close()
     return rows
 
 
@@ -49,8 +46,7 @@ def record_into_full_slot(url: str, layers: int = NUM_LAYERS, calls: int = CALLS
     A slot's pending signals are one packed field, so such a record copies the field: its cost
     grows with that slot's layers (never with other slots').
     """
-    buf = _buffer(url)
-    try:
+    with _buffer(url) as buf:
         for layer in range(layers):
             buf.record(INSTANCE, RANK, layer, [(0, 1000)])
 
@@ -60,17 +56,13 @@ def record_into_full_slot(url: str, layers: int = NUM_LAYERS, calls: int = CALLS
 
         _, usec = server_time(buf.client, run)
         return {"slot_layers": layers, "server_us_per_call": usec}
-    finally:
-        buf.client.delete(*buf.protocol.keys.rank(INSTANCE, RANK).per_request)
-        buf.close()
 
 
 def record_per_entry(url: str, sizes: tuple[int, ...], calls: int = CALLS) -> list[dict[str, Any]]:
     """Server time per call and per entry of a buffering record, by batch size."""
     rows = []
     for size in sizes:
-        buf = _buffer(url)
-        try:
+        with _buffer(url) as buf:
             entries = [(slot, 1000 + slot) for slot in range(size)]
 
             def run(buf: SignalBuffer = buf, entries: list[tuple[int, int]] = entries) -> None:
@@ -79,9 +71,6 @@ def record_per_entry(url: str, sizes: tuple[int, ...], calls: int = CALLS) -> li
 
             _, usec = server_time(buf.client, run)
             rows.append({"entries": size, "server_us_per_call": usec, "server_us_per_entry": usec / size})
-        finally:
-            buf.client.delete(*buf.protocol.keys.rank(INSTANCE, RANK).per_request)
-            buf.close()
     return rows
 
 
@@ -89,8 +78,7 @@ def register_vs_pending(url: str, pending: tuple[int, ...], calls: int = CALLS) 
     """Server time of register on slots that each hold ``n`` pending layers."""
     rows = []
     for layers in pending:
-        buf = _buffer(url)
-        try:
+        with _buffer(url) as buf:
             for layer in range(layers):
                 buf.record(INSTANCE, RANK, layer, [(slot, 1000) for slot in range(calls)])
 
@@ -102,7 +90,4 @@ def register_vs_pending(url: str, pending: tuple[int, ...], calls: int = CALLS) 
 
             _, usec = server_time(buf.client, run)
             rows.append({"pending_layers": layers, "server_us_per_call": usec})
-        finally:
-            buf.client.delete(*buf.protocol.keys.rank(INSTANCE, RANK).per_request)
-            buf.close()
     return rows
