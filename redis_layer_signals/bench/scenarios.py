@@ -11,7 +11,7 @@ The floor of every case sends the case's entries (one for register and finish).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,18 @@ def entries_of(size: int) -> list[tuple[int, int]]:
 def runs_for(iterations: int, size: int) -> int:
     """Fewer rounds for big batches: about the same number of signals, at least 30 calls."""
     return max(30, min(iterations, iterations * 32 // max(size, 32)))
+
+
+def slot_rounds(iterations: int, warmup: int, slots: int = 512) -> Iterator[tuple[list[int], int]]:
+    """Rounds of up to ``slots`` fresh slots, one call per slot, ``iterations + warmup`` calls in
+    all; yields each round's slots and how many of its first calls are warm-up (only in the first
+    round, and never all of it)."""
+    total = iterations + warmup
+    done = 0
+    while done < total:
+        batch = list(range(min(slots, total - done)))
+        yield batch, min(warmup if done == 0 else 0, len(batch) - 1)
+        done += len(batch)
 
 
 def merge(parts: list[Summary]) -> Summary:
@@ -164,12 +176,8 @@ class SyncCases:
         """Interleave ``steps[impl](slot)`` over rounds of up to ``slots`` fresh slots, each round
         prepared by ``prefill`` and cleaned by ``cleanup`` outside the timed calls."""
         parts: dict[str, list[Summary]] = {name: [] for name in steps}
-        total = self.iterations + self.warmup
-        done = 0
-        while done < total:
-            batch = list(range(min(slots, total - done)))
+        for batch, warm in slot_rounds(self.iterations, self.warmup, slots):
             prefill(batch)
-            warm = min(self.warmup if done == 0 else 0, len(batch) - 1)
             timed: dict[str, Callable[[int], object]] = {
                 name: (lambda i, step=step, batch=batch: step(batch[i]))  # type: ignore[misc]
                 for name, step in steps.items()
@@ -177,7 +185,6 @@ class SyncCases:
             for name, summary in measure_interleaved(timed, len(batch) - warm, warm, 1).items():
                 parts[name].append(summary)
             cleanup(batch)
-            done += len(batch)
         return {name: merge(found) for name, found in parts.items()}
 
     def register(self, pending: int, slots: int = 512) -> list[Case]:
@@ -277,10 +284,7 @@ async def async_cases(url: str, sizes: tuple[int, ...], iterations: int, warmup:
         try:
             registers: dict[str, list[Summary]] = {"floor": [], "ours": []}
             finishes: dict[str, list[Summary]] = {"floor": [], "ours": []}
-            done = 0
-            while done < iterations + warmup:
-                batch = list(range(min(512, iterations + warmup - done)))
-                warm = min(warmup if done == 0 else 0, len(batch) - 1)
+            for batch, warm in slot_rounds(iterations, warmup):
                 held = {slot: f"r{next(ids)}" for slot in batch}
                 found = await measure_interleaved_async(
                     {
@@ -304,7 +308,6 @@ async def async_cases(url: str, sizes: tuple[int, ...], iterations: int, warmup:
                 )
                 for name, summary in found.items():
                     finishes[name].append(summary)
-                done += len(batch)
         finally:
             await buf.close()
         cases += [Case("async", "register", "0", 0, impl, merge(parts)) for impl, parts in registers.items()]
