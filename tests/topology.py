@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -41,6 +42,16 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def replication(server: RedisServer) -> dict[str, Any]:
+    """``INFO replication`` of one server, read on a connection of its own."""
+    with server.client() as client:
+        return dict(client.info("replication"))
+
+
+def role(server: RedisServer) -> str:
+    return str(replication(server)["role"])
 
 
 def free_cluster_port(taken: set[int]) -> int:
@@ -111,27 +122,15 @@ class ClusterTopology:
                     return False
             finally:
                 client.close()
-        return self.replicas == 0 or all(self.replica_count(p) >= self.replicas for p in self.primary_nodes())
+        return self.replicas == 0 or all(
+            int(replication(p)["connected_slaves"]) >= self.replicas for p in self.primary_nodes()
+        )
 
     def live_nodes(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
-    def role(self, node: RedisServer) -> str:
-        client = node.client()
-        try:
-            return str(client.info("replication")["role"])
-        finally:
-            client.close()
-
     def primary_nodes(self) -> list[RedisServer]:
-        return [n for n in self.live_nodes() if self.role(n) == "master"]
-
-    def replica_count(self, node: RedisServer) -> int:
-        client = node.client()
-        try:
-            return int(client.info("replication")["connected_slaves"])
-        finally:
-            client.close()
+        return [n for n in self.live_nodes() if role(n) == "master"]
 
     def node_for_key(self, key: str) -> RedisServer:
         """The primary that serves ``key``'s slot now, as the cluster itself reports it."""
@@ -241,12 +240,8 @@ class SentinelTopology:
         return next(s for s in self.servers if s.port != port)
 
     def replica_synced(self, server: RedisServer) -> bool:
-        client = server.client()
-        try:
-            info = client.info("replication")
-            return info["role"] == "slave" and info["master_link_status"] == "up"
-        finally:
-            client.close()
+        info = replication(server)
+        return info["role"] == "slave" and info["master_link_status"] == "up"
 
     def sentinels_agree(self) -> bool:
         """Every sentinel names the same primary, knows one healthy replica and two other sentinels."""
@@ -285,13 +280,6 @@ class SentinelTopology:
         wait_until(self.primary_agreed, timeout=30, what="the promoted replica answering as primary")
         return self.current_primary_port()
 
-    def role_of(self, server: RedisServer) -> str:
-        client = server.client()
-        try:
-            return str(client.info("replication")["role"])
-        finally:
-            client.close()
-
     def settle(self) -> None:
         """Bring the group back to one primary and one synced replica, as the sentinels would.
 
@@ -304,7 +292,7 @@ class SentinelTopology:
         replica = self.current_replica()
         if replica.process is None or replica.process.poll() is not None:
             replica.start()
-        if self.role_of(replica) == "master":
+        if role(replica) == "master":
             client = replica.client()
             try:
                 client.replicaof("127.0.0.1", primary.port)
@@ -331,7 +319,7 @@ class SentinelTopology:
                 ports.add(int(state["port"]))
             finally:
                 client.close()
-        return len(ports) == 1 and self.role_of(self.current_primary()) == "master"
+        return len(ports) == 1 and role(self.current_primary()) == "master"
 
     def wait_for_new_primary(self, old_port: int) -> RedisServer:
         """After the primary died: wait until the sentinels promoted the replica."""
