@@ -42,20 +42,20 @@ def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barri
         if kind == "ours":
             buf = SignalBuffer.from_url(url, namespace=name, env={})
 
-            def step(i: int) -> None:
+            def step() -> None:
                 buf.record(INSTANCE, RANK, 0, entries)
 
         elif kind == "naive":
             naive = NaiveRedisBuffer(client, name)
 
-            def step(i: int) -> None:
+            def step() -> None:
                 naive.record(0, entries)
 
         elif kind == "floor":
             floor = Floor(client, name)
             args = Floor.flat(entries)
 
-            def step(i: int) -> None:
+            def step() -> None:
                 floor.call(args)
 
         else:
@@ -64,7 +64,7 @@ def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barri
         started = time.perf_counter()
         deadline = started + duration_s
         while time.perf_counter() < deadline:
-            step(calls)
+            step()
             calls += 1
         elapsed = time.perf_counter() - started
         if kind == "naive":
