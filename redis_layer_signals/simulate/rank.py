@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..models import CacheTask
 from .channels import Channel, LocalChannel, Message
 from .config import SimConfig
 from .modes import Handoff
@@ -68,3 +69,15 @@ class RankContext:
             "delay_ms": delay_ms,
             "reply_to": self.reply_to,
         }
+
+
+def cache_task(message: Message) -> CacheTask:
+    """The task a ``task`` message (:meth:`RankContext.task_message`) carries."""
+    return CacheTask(
+        instance=str(message["instance"]),
+        rank=int(message["rank"]),
+        slot=int(message["slot"]),
+        request_id=str(message["request_id"]),
+        need_prefill_tokens=int(message["need"]),
+        num_layers=int(message["layers"]),
+    )

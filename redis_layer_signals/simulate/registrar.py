@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import SlotOccupied
-from ..models import CacheTask
 from .channels import Channel, Message
 from .modes import Handoff
+from .rank import cache_task
 
 POLL_S = 0.05
 
@@ -55,14 +55,7 @@ def serve(
 
 
 def register(handoff: Handoff, message: Message, outbox: Callable[[Message], Channel], report: RegistrarReport) -> None:
-    task = CacheTask(
-        instance=str(message["instance"]),
-        rank=int(message["rank"]),
-        slot=int(message["slot"]),
-        request_id=str(message["request_id"]),
-        need_prefill_tokens=int(message["need"]),
-        num_layers=int(message["layers"]),
-    )
+    task = cache_task(message)
     notice: Message = {"kind": "registered", "task": message, "recovered": [], "dropped": [], "error": None}
     started = time.perf_counter()
     try:

@@ -14,7 +14,7 @@ import time
 from ..models import CacheTask, LayerSignal
 from .channels import Message
 from .config import Mode
-from .rank import RankContext
+from .rank import RankContext, cache_task
 from .workload import Request
 
 POLL_S = 0.02
@@ -72,10 +72,7 @@ class Sender:
 
     def registered(self, message: Message) -> None:
         ctx = self.ctx
-        data = message["task"]
-        task = CacheTask(
-            ctx.instance, ctx.rank, int(data["slot"]), data["request_id"], int(data["need"]), int(data["layers"])
-        )
+        task = cache_task(message["task"])
         if message.get("error"):
             ctx.violation(f"register {task.request_id}: {message['error']}")
         request = self.requests.get(task.request_id)
