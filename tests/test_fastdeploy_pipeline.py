@@ -5,8 +5,7 @@ transport shows which blocks of which layers went out. Every wait is bounded."""
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +19,7 @@ from redis_layer_signals.fastdeploy.scripted import (
     RecordingTransport,
     ScriptedGpu,
 )
+from tests.servers import wait_until
 
 LAYERS = 4
 WAIT_S = 10.0
@@ -241,21 +241,17 @@ def test_sender_writes_a_layer_only_after_the_gpu_signalled_it(rig: Rig) -> None
     rig.add_task(request)
     rig.gpu.forward([(request, 0, 300)], layers=[0])
     progress = rig.messager.progress
-    assert wait_for(lambda: progress.waiting_for == (5, 300, 1) or len(rig.transport.writes) == LAYERS)
+    wait_until(
+        lambda: progress.waiting_for == (5, 300, 1) or len(rig.transport.writes) == LAYERS,
+        WAIT_S,
+        interval=0.002,
+        what="the sender to block on layer 1",
+    )
     assert [w.layer for w in rig.transport.writes] == [0]
     rig.gpu.forward([(request, 0, 300)], layers=range(1, LAYERS))
     assert rig.messager.wait_finished(["req-1"], WAIT_S) == {"req-1"}
     assert [w.layer for w in rig.transport.writes] == list(range(LAYERS))
     rig.assert_clean()
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def test_early_signal_survives_a_restart_of_the_messager(url: str, namespace: str) -> None:
