@@ -24,7 +24,6 @@ from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import SignalBufferError
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
 from .simulate.chaos import run_with_chaos
-from .simulate.config import DEFAULT_CHUNK_TOKENS, DEFAULT_EARLY_SHARE, DEFAULT_LAYERS, DEFAULT_REQUESTS
 from .simulate.report import clip, table
 from .simulate.runner import preflight, require_shared
 
@@ -50,6 +49,18 @@ RedisUrl = Annotated[
 Namespace = Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="Namespace of the keys.")]
 JsonPath = Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON to this file.")]
 
+# Options of the simulated deployment, shared by `simulate` and `node`; defaults are SimConfig's.
+SimMode = Annotated[Mode, typer.Option(help="redis: this library; drop: before the fix; local: a per-process dict.")]
+Ranks = Annotated[int, typer.Option(min=1, help="Ranks per instance.")]
+Requests = Annotated[int, typer.Option(min=1, help="Requests per rank of each instance.")]
+Layers = Annotated[int, typer.Option(min=1)]
+ChunkTokens = Annotated[int, typer.Option(min=1)]
+Batch = Annotated[int, typer.Option(min=1, max=512, help="Engine slots per rank.")]
+EarlyShare = Annotated[float, typer.Option(min=0.0, max=1.0, help="Tasks registered after layer 0.")]
+AbortShare = Annotated[float, typer.Option(min=0.0, max=1.0, help="Requests aborted unregistered.")]
+HangTimeout = Annotated[float, typer.Option(min=0.0, help="After prefill, a request is hung.")]
+Timeout = Annotated[float, typer.Option(min=0.0, help="Bound of the whole run.")]
+
 
 def _buffer(url: str, namespace: str) -> SignalBuffer:
     return SignalBuffer.from_url(url, namespace=namespace)
@@ -62,24 +73,22 @@ def _buffer(url: str, namespace: str) -> SignalBuffer:
 def simulate_command(
     redis: RedisUrl = DEFAULT_URL,
     namespace: Namespace = DEFAULT_NAMESPACE,
-    mode: Annotated[
-        Mode, typer.Option(help="redis: this library; drop: before the fix; local: a per-process dict.")
-    ] = (Mode.REDIS),
-    instances: Annotated[int, typer.Option(min=1, help="Prefill instances.")] = 2,
-    ranks: Annotated[int, typer.Option(min=1, help="Ranks per instance.")] = 2,
-    requests: Annotated[int, typer.Option(min=1, help="Requests per instance x rank.")] = DEFAULT_REQUESTS,
-    layers: Annotated[int, typer.Option(min=1)] = DEFAULT_LAYERS,
-    chunk_tokens: Annotated[int, typer.Option(min=1)] = DEFAULT_CHUNK_TOKENS,
-    max_prompt_tokens: Annotated[int, typer.Option(min=1)] = 4 * DEFAULT_CHUNK_TOKENS,
-    batch: Annotated[int, typer.Option(min=1, max=512, help="Engine slots per rank.")] = 8,
-    early_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Tasks registered after layer 0.")] = (
-        DEFAULT_EARLY_SHARE
+    mode: SimMode = SimConfig.mode,
+    instances: Annotated[int, typer.Option(min=1, help="Prefill instances.")] = SimConfig.instances,
+    ranks: Ranks = SimConfig.ranks,
+    requests: Requests = SimConfig.requests,
+    layers: Layers = SimConfig.layers,
+    chunk_tokens: ChunkTokens = SimConfig.chunk_tokens,
+    max_prompt_tokens: Annotated[int, typer.Option(min=1)] = SimConfig.max_prompt_tokens,
+    batch: Batch = SimConfig.batch,
+    early_share: EarlyShare = SimConfig.early_share,
+    abort_share: AbortShare = SimConfig.abort_share,
+    max_delay_ms: Annotated[float, typer.Option(min=0.0, help="Longest delay of an early task.")] = (
+        SimConfig.max_delay_ms
     ),
-    abort_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Requests aborted unregistered.")] = 0.05,
-    max_delay_ms: Annotated[float, typer.Option(min=0.0, help="Longest delay of an early task.")] = 20.0,
-    hang_timeout_s: Annotated[float, typer.Option(min=0.0, help="After prefill, a request is hung.")] = 3.0,
-    timeout_s: Annotated[float, typer.Option(min=0.0, help="Bound of the whole run.")] = 600.0,
-    seed: int = 0,
+    hang_timeout_s: HangTimeout = SimConfig.hang_timeout_s,
+    timeout_s: Timeout = SimConfig.timeout_s,
+    seed: int = SimConfig.seed,
     json_path: JsonPath = None,
     chaos: Annotated[
         bool, typer.Option(help="Restart (memory://: an own AOF Redis) or fail over the buffer's Redis mid-run.")
@@ -162,17 +171,17 @@ def node_command(
     instance: Annotated[str, typer.Option(help="This prefill instance's name.")],
     redis: RedisUrl = DEFAULT_URL,
     namespace: Namespace = DEFAULT_NAMESPACE,
-    mode: Mode = Mode.REDIS,
-    ranks: Annotated[int, typer.Option(min=1)] = 2,
-    requests: Annotated[int, typer.Option(min=1, help="Requests per rank.")] = DEFAULT_REQUESTS,
-    layers: Annotated[int, typer.Option(min=1)] = DEFAULT_LAYERS,
-    chunk_tokens: Annotated[int, typer.Option(min=1)] = DEFAULT_CHUNK_TOKENS,
-    batch: Annotated[int, typer.Option(min=1, max=512)] = 8,
-    early_share: Annotated[float, typer.Option(min=0.0, max=1.0)] = DEFAULT_EARLY_SHARE,
-    abort_share: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.05,
-    hang_timeout_s: Annotated[float, typer.Option(min=0.0)] = 3.0,
-    timeout_s: Annotated[float, typer.Option(min=0.0)] = 600.0,
-    seed: int = 0,
+    mode: SimMode = SimConfig.mode,
+    ranks: Ranks = SimConfig.ranks,
+    requests: Requests = SimConfig.requests,
+    layers: Layers = SimConfig.layers,
+    chunk_tokens: ChunkTokens = SimConfig.chunk_tokens,
+    batch: Batch = SimConfig.batch,
+    early_share: EarlyShare = SimConfig.early_share,
+    abort_share: AbortShare = SimConfig.abort_share,
+    hang_timeout_s: HangTimeout = SimConfig.hang_timeout_s,
+    timeout_s: Timeout = SimConfig.timeout_s,
+    seed: int = SimConfig.seed,
     json_path: JsonPath = None,
 ) -> None:
     """One simulated prefill node (its ranks) on a shared Redis; needs `rls registrar` running."""
@@ -203,7 +212,7 @@ def node_command(
 def registrar_command(
     redis: RedisUrl = DEFAULT_URL,
     namespace: Namespace = DEFAULT_NAMESPACE,
-    mode: Mode = Mode.REDIS,
+    mode: SimMode = SimConfig.mode,
     idle_exit_s: Annotated[float, typer.Option(min=0.0, help="Exit after this long without tasks (0: never).")] = 0.0,
 ) -> None:
     """The registrar of simulated nodes: registers their cache tasks on the shared Redis."""
