@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidSignal
+from .bridge import DEFAULT_BLOCK_SIZE
 from .signals import KV_SIGNAL_MAX_TASKS, encode_kv_signal
 
 DEST_BLOCK_BASE = 100_000
@@ -38,7 +39,7 @@ class PrefillRequest:
     request_id: str
     slot: int
     need_prefill_tokens: int
-    block_size: int = 64
+    block_size: int = DEFAULT_BLOCK_SIZE
     decode_cached_blocks: int = 0
     """Blocks the decode node already holds (prefix cache hit): never sent."""
     block_base: int | None = None

@@ -17,14 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..buffer import SignalBuffer
-from .bridge import Layer0Bridge
+from .bridge import DEFAULT_BLOCK_SIZE, Layer0Bridge
 from .reference import STOP, ReferenceMessager, run_adder_process
 from .scripted import PrefillRequest, RecordingTransport, ScriptedGpu
 
 ORDERS = ("early", "late", "racy")
 INSTANCE = "p0"
 RANK = 0
-BLOCK_SIZE = 64
 CHUNK_CHOICES = (64, 128, 256, 1024)
 """Chunk sizes a request is prefilled in (1024: usually one chunk)."""
 MAX_STEP_MATES = 3
@@ -48,7 +47,7 @@ def make_plans(seed: int, requests: int, max_tokens: int = 520) -> list[Plan]:
     plans = []
     for slot in range(requests):
         need = rng.randint(40, max_tokens)
-        request = PrefillRequest(f"req-{slot}", slot, need, BLOCK_SIZE, decode_cached_blocks=rng.choice([0, 0, 1]))
+        request = PrefillRequest(f"req-{slot}", slot, need, decode_cached_blocks=rng.choice([0, 0, 1]))
         chunks = request.chunks(rng.choice(CHUNK_CHOICES))
         order = ORDERS[slot % len(ORDERS)]
         early = rng.randint(1, len(chunks)) if order == "early" else 0
@@ -154,7 +153,7 @@ def run(
     started = time.perf_counter()
     plans = make_plans(seed, requests)
     buffer = SignalBuffer.from_url(url, namespace=namespace)
-    bridge = Layer0Bridge(buffer, INSTANCE, RANK, BLOCK_SIZE, num_layers=layers)
+    bridge = Layer0Bridge(buffer, INSTANCE, RANK, num_layers=layers)
     context = multiprocessing.get_context("spawn")
     ready = context.Queue() if adder_process else None
     messager = ReferenceMessager(bridge, RecordingTransport(), ready=ready, with_adder=not adder_process)
@@ -170,7 +169,7 @@ def run(
         with messager:
             if adder_process:
                 inbox, registered = context.Queue(), context.Queue()
-                args = (url, namespace, INSTANCE, RANK, layers, BLOCK_SIZE, inbox, ready, registered)
+                args = (url, namespace, INSTANCE, RANK, layers, DEFAULT_BLOCK_SIZE, inbox, ready, registered)
                 adder = context.Process(target=run_adder_process, args=args, daemon=True)
                 adder.start()
                 send_task, await_registered = _remote_adder(inbox, registered, timeout_s)
