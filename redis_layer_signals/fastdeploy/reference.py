@@ -218,7 +218,7 @@ class ReferenceMessager:
             try:
                 self._take(inbox, handle)
             except Exception as exc:
-                logger.exception("%s failed", handle.__name__)
+                logger.exception("%s failed", handle.__qualname__)
                 self.errors.append(exc)
                 self._stop.wait(POLL_S)  # no busy loop while Redis is away
 
