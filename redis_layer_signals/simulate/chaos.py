@@ -24,18 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import random
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from ..bench.server import LocalRedis
 from ..connection import CLUSTER, MEMORY, SENTINEL, parse_multi_host, scheme_of, sync_client
 from ..errors import InvalidConfig
 from .config import SimConfig
@@ -45,55 +39,12 @@ FSYNC_CHOICES = ("always", "everysec", "off")
 ACTIVE_FROM = 0.10
 ACTIVE_UNTIL = 0.75
 """Share of the requests done between which faults are injected."""
-START_TIMEOUT_S = 15.0
 FAULT_TIMEOUT_S = 5.0
 
 
-class _Server:
-    """A redis-server of this run: free port, temp dir, restartable on the same data."""
-
-    def __init__(self, fsync: str) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise InvalidConfig("chaos", "redis-server", "is not installed (apt-get install redis-server)")
-        with contextlib.closing(socket.socket()) as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
-        self.dir = tempfile.mkdtemp(prefix="rls-chaos-")
-        persistence = ["--appendonly", "no"] if fsync == "off" else ["--appendonly", "yes", "--appendfsync", fsync]
-        self.command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", ""]
-        self.command += ["--logfile", str(Path(self.dir) / "redis.log"), *persistence]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> _Server:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = sync_client(self.url, 1.0)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        try:
-            while time.monotonic() < deadline:
-                with contextlib.suppress(Exception):
-                    if client.ping():
-                        return self
-                time.sleep(0.02)
-        finally:
-            client.close()
-        raise InvalidConfig("chaos", self.url, "redis-server did not start")
-
-    def restart(self) -> None:
-        if self.process is not None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(FAULT_TIMEOUT_S)
-        self.start()
-
-    def cleanup(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(FAULT_TIMEOUT_S)
-        shutil.rmtree(self.dir, ignore_errors=True)
+def _server(fsync: str) -> LocalRedis:
+    """A redis-server of this run (free port, temp dir), with AOF at ``fsync`` unless "off"."""
+    return LocalRedis([] if fsync == "off" else ["--appendonly", "yes", "--appendfsync", fsync])
 
 
 @dataclass
@@ -105,12 +56,13 @@ class ChaosReport:
     failed: list[str] = field(default_factory=list)
 
 
-def _fault_for(url: str, own: _Server | None) -> Callable[[int], str]:
+def _fault_for(url: str, own: LocalRedis | None) -> Callable[[int], str]:
     """The fault to apply for ``url``: called with a counter, returns what it did."""
     if own is not None:
 
         def restart(_n: int) -> str:
-            own.restart()
+            own.kill()
+            own.start()
             return "SIGKILL + restart"
 
         return restart
@@ -198,19 +150,19 @@ class _Injector:
 
 
 @contextlib.contextmanager
-def _servers(config: SimConfig, fsync: str) -> Iterator[tuple[SimConfig, _Server | None]]:
+def _servers(config: SimConfig, fsync: str) -> Iterator[tuple[SimConfig, LocalRedis | None]]:
     """The buffer's server (ours when the URL is memory://) and the message server."""
     if fsync not in FSYNC_CHOICES:
         raise InvalidConfig("chaos_fsync", fsync, f"must be one of {', '.join(FSYNC_CHOICES)}")
-    started: list[_Server] = []
+    started: list[LocalRedis] = []
     try:
         own = None
         url = config.url
         if scheme_of(url) == MEMORY:
-            own = _Server(fsync)
+            own = _server(fsync)
             started.append(own)
             url = own.start().url
-        messages = _Server("off")
+        messages = _server("off")
         started.append(messages)
         yield config.with_(url=url, channel_url=messages.start().url), own
     finally:
