@@ -25,10 +25,11 @@ class Sender:
         self.ctx = ctx
         self.requests: dict[str, Request] = {r.request_id: r for r in ctx.requests}
         self.chunk_tokens = ctx.config.chunk_tokens
+        self.chunks = {r.request_id: r.chunks(self.chunk_tokens) for r in ctx.requests}
         self.tasks: dict[int, CacheTask] = {}
         self.parked: dict[int, list[LayerSignal]] = {}
         self.sent: dict[tuple[str, int, int], int] = {}  # (request, layer, chunk) -> times sent
-        self.remaining = {r.request_id: ctx.config.layers * len(r.chunks(self.chunk_tokens)) for r in ctx.requests}
+        self.remaining = {rid: ctx.config.layers * len(chunks) for rid, chunks in self.chunks.items()}
         self.prefilled: dict[str, float] = {}
         self.slot_of: dict[str, int] = {}
         self.resolved: dict[str, str] = {}  # request -> completed | hung | aborted
@@ -60,8 +61,7 @@ class Sender:
             self.parked.setdefault(signal.slot, []).append(signal)
             return
         request = self.requests[task.request_id]
-        ends = [end for _start, end in request.chunks(self.chunk_tokens)]
-        if signal.tokens not in ends:
+        if not self.ends_a_chunk(request, signal.tokens):
             self.ctx.violation(
                 f"signal slot {signal.slot} layer {signal.layer} tokens {signal.tokens} "
                 f"sent for {task.request_id}, which has no chunk ending there"
@@ -90,7 +90,7 @@ class Sender:
         ctx.wakeup.set()
         ctx.count("recovered", len(message["recovered"]))
         for layer, tokens in message["recovered"]:
-            if tokens not in [end for _s, end in request.chunks(self.chunk_tokens)]:
+            if not self.ends_a_chunk(request, tokens):
                 ctx.violation(f"recovered layer {layer} tokens {tokens} does not belong to {task.request_id}")
                 continue
             self.send(request, int(layer), 0, int(tokens))
@@ -99,12 +99,15 @@ class Sender:
         for signal in self.parked.pop(task.slot, []):
             self.delivered(signal)
 
+    def ends_a_chunk(self, request: Request, tokens: int) -> bool:
+        return any(end == tokens for _start, end in self.chunks[request.request_id])
+
     def send(self, request: Request, layer: int, start: int, end: int) -> None:
         """'Send' the layer's blocks for tokens [start, end): count each chunk it carries."""
         rid = request.request_id
         if rid in self.resolved:
             self.ctx.violation(f"{rid} layer {layer} sent after the request was {self.resolved[rid]}")
-        for index, (chunk_start, chunk_end) in enumerate(request.chunks(self.chunk_tokens)):
+        for index, (chunk_start, chunk_end) in enumerate(self.chunks[rid]):
             if start <= chunk_start and chunk_end <= end:
                 key = (rid, layer, index)
                 self.sent[key] = self.sent.get(key, 0) + 1
