@@ -60,6 +60,12 @@ def preflight(config: SimConfig) -> None:
             probe.now_ms()
 
 
+def _messages_client(config: SimConfig) -> Any:
+    """A client of the Redis that carries the simulation's own messages (``channel_url``,
+    else the buffer's)."""
+    return sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
+
+
 def _threads(config: SimConfig, run_id: str, tick: Progress) -> tuple[list[RankReport], RegistrarReport, list[str]]:
     shared = make_handoff(config)  # drop/local: one dict for the whole process, as in FastDeploy
     inboxes = {(i, r): LocalChannel() for i in config.instance_names() for r in range(config.ranks)}
@@ -126,7 +132,7 @@ def _processes(config: SimConfig, run_id: str, tick: Progress) -> tuple[list[Ran
     stop_sent = False
     while time.monotonic() < deadline:
         if len(reports) == len(nodes) and not stop_sent:
-            client = sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
+            client = _messages_client(config)
             RedisChannel(client, inbox_key(config.namespace, *REGISTRAR, run_id)).put({"kind": "stop"})
             client.close()
             stop_sent = True
@@ -191,7 +197,7 @@ def run_node(
 ) -> list[RankReport]:
     """A prefill node on a shared Redis: its ranks as threads, its registrar somewhere else.
     ``run`` names the registrar's inbox of one ``simulate`` run; empty: the shared one."""
-    client = sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
+    client = _messages_client(config)
     handoff = make_handoff(config)
     try:
         registrar = RedisChannel(client, inbox_key(config.namespace, *REGISTRAR, run))
@@ -205,7 +211,7 @@ def run_registrar(config: SimConfig, idle_exit_s: float = 0.0, run: str = "") ->
     """The registrar on a shared Redis: serves every node of the namespace until told to stop
     (or ``idle_exit_s`` of quiet); answers each task on the list its message names."""
     require_shared(config, "registrar")
-    client = sync_client(config.channel_url or config.url, CLIENT_TIMEOUT_S)
+    client = _messages_client(config)
     handoff = make_handoff(config)
     try:
         inbox = RedisChannel(client, inbox_key(config.namespace, *REGISTRAR, run))
