@@ -11,6 +11,7 @@ import queue
 from typing import Any, Protocol
 
 from ..constants import KEY_PREFIX
+from ..keys import KeySpace
 
 CHANNEL_TTL_MS = 3_600_000
 """A list nobody reads (a crashed registrar) disappears after an hour."""
@@ -47,7 +48,7 @@ def inbox_key(namespace: str, instance: str, rank: int, run: str = "") -> str:
     own lists, so nothing left by an earlier run reaches it; ``rls node`` and ``rls registrar``
     meet on the shared one."""
     suffix = f":{run}" if run else ""
-    return f"{KEY_PREFIX}:{{{namespace}/{instance}/{rank}}}:sim:inbox{suffix}"
+    return f"{KEY_PREFIX}:{KeySpace(namespace).rank(instance, rank).tag}:sim:inbox{suffix}"
 
 
 class RedisChannel:
