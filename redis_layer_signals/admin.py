@@ -12,7 +12,7 @@ from typing import Any
 
 from .buffer import SignalBuffer
 from .keys import KeySpace
-from .protocol import decode_task, text
+from .protocol import decode_task, pending_records, text
 
 PURGE_BATCH = 500
 """Keys removed per UNLINK: bounds one command's work on the server."""
@@ -99,15 +99,11 @@ def _slot_fields(fields: dict[Any, Any], slot: int | None) -> list[tuple[int, st
 
 
 def _pending_rows(instance: str, rank: int, slot: int, packed: str, now: int) -> list[PendingRow]:
-    """Records "layer,tokens,request_id,recorded_at_ms,deadline_ms" separated by ';' (the
-    layout documented in lua/_lib.lua)."""
-    rows = []
-    for record in filter(None, packed.split(";")):
-        layer, tokens, rid, at, deadline = record.split(",")[:5]
-        rows.append(
-            PendingRow(instance, rank, slot, int(layer), int(tokens), rid or None, now - int(at), int(deadline) - now)
-        )
-    return rows
+    """One slot's pending signals with their age and the TTL each has left."""
+    return [
+        PendingRow(instance, rank, slot, s.layer, s.tokens, s.request_id, now - s.recorded_at_ms, deadline - now)
+        for s, deadline in pending_records(instance, rank, slot, packed)
+    ]
 
 
 def namespace_keys(client: Any, namespace: str) -> list[str]:

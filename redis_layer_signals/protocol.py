@@ -171,13 +171,21 @@ def plain_batch(raw: Any, max_slots: int) -> list[tuple[int, int]] | None:
     return raw
 
 
-def parse_pending(instance: str, rank: int, slot: int, packed: str) -> list[LayerSignal]:
-    """Decode one slot's packed pending records (layout in lua/_lib.lua), ordered by layer."""
-    signals = []
+def pending_records(instance: str, rank: int, slot: int, packed: str) -> list[tuple[LayerSignal, int]]:
+    """Decode one slot's packed pending records (layout in lua/_lib.lua) as (signal, expiry
+    deadline in ms), ordered by layer. The deadline is per signal: each keeps the TTL it was
+    recorded with."""
+    records = []
     for record in packed.split(";")[1:]:
-        layer, tokens, rid, at, _deadline = record.split(",")
-        signals.append(LayerSignal(instance, rank, slot, int(layer), int(tokens), rid or None, int(at)))
-    return sorted(signals, key=lambda s: s.layer)
+        layer, tokens, rid, at, deadline = record.split(",")
+        signal = LayerSignal(instance, rank, slot, int(layer), int(tokens), rid or None, int(at))
+        records.append((signal, int(deadline)))
+    return sorted(records, key=lambda item: item[0].layer)
+
+
+def parse_pending(instance: str, rank: int, slot: int, packed: str) -> list[LayerSignal]:
+    """One slot's pending signals, ordered by layer."""
+    return [signal for signal, _deadline in pending_records(instance, rank, slot, packed)]
 
 
 class Protocol:
