@@ -9,6 +9,7 @@ import subprocess
 from typing import Any
 from urllib.parse import urlparse
 
+from . import names
 from .server import BenchServerError
 
 REDIS_BENCHMARK = "redis-benchmark"
@@ -37,7 +38,7 @@ def run(url: str, requests: int, floor_sha: str, clients: tuple[int, ...] = (1, 
     commands: list[tuple[str, list[str]]] = [
         ("PING", ["-t", "ping_mbulk"]),
         ("SET", ["-t", "set"]),
-        ("EVALSHA floor, 1 entry", ["evalsha", floor_sha, "1", "rls-bench-floor", "5", "2048"]),
+        ("EVALSHA floor, 1 entry", ["evalsha", floor_sha, "1", names.floor_key(), "5", "2048"]),
     ]
     for count in clients:
         for name, command in commands:
