@@ -99,22 +99,41 @@ class AsyncSignalBuffer(BufferBase):
             return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
     async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]]) -> T:
-        attempts = Attempts(operation, self.config.retry_s)
+        """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""
+        started = time.monotonic()
+        try:
+            return await action()
+        except RETRYABLE as exc:
+            return await self._resend(operation, action, started, exc)
+
+    async def _resend(
+        self, operation: str, action: Callable[[], Awaitable[T]], started: float, error: BaseException
+    ) -> T:
+        """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend)."""
+        attempts = Attempts(operation, self.config.retry_s, started)
         while True:
+            await asyncio.sleep(attempts.next_delay(error))
             try:
                 return await action()
             except RETRYABLE as exc:
-                await asyncio.sleep(attempts.next_delay(exc))
+                error = exc
 
     async def _execute(self, prepared: Prepared[T]) -> T:
+        """Send once inline, resend only after a retryable error (see SignalBuffer._execute)."""
         call = prepared.call
         if call is None:
             return prepared.parse(None)
-        started = time.perf_counter()
-        reply = await self._retrying(prepared.operation, lambda: self._send(prepared.operation, call))
+        observer = self.observer
+        started = time.monotonic()
+        timer = time.perf_counter() if observer is not None else 0.0
+        operation = prepared.operation
+        try:
+            reply = await self._send(operation, call)
+        except RETRYABLE as exc:
+            reply = await self._resend(operation, partial(self._send, operation, call), started, exc)
         result = prepared.parse(reply)
-        if self.observer is not None:
-            self.observer(prepared.operation, time.perf_counter() - started)
+        if observer is not None:
+            observer(operation, time.perf_counter() - timer)
         return result
 
     # -- replication option (wait_replicas): see replication.py --------------------------------

@@ -123,22 +123,42 @@ class SignalBuffer(BufferBase):
             return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
     def _retrying(self, operation: str, action: Callable[[], T]) -> T:
-        attempts = Attempts(operation, self.config.retry_s)
+        """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""
+        started = time.monotonic()
+        try:
+            return action()
+        except RETRYABLE as exc:
+            return self._resend(operation, action, started, exc)
+
+    def _resend(self, operation: str, action: Callable[[], T], started: float, error: BaseException) -> T:
+        """The retry loop, entered only after a first attempt failed with ``error``: the common
+        call pays for no :class:`Attempts`. The budget counts from ``started``, the call's start."""
+        attempts = Attempts(operation, self.config.retry_s, started)
         while True:
+            time.sleep(attempts.next_delay(error))
             try:
                 return action()
             except RETRYABLE as exc:
-                time.sleep(attempts.next_delay(exc))
+                error = exc
 
     def _execute(self, prepared: Prepared[T]) -> T:
+        """Send a prepared call and parse its reply. The first send is made inline (no closure,
+        no retry state; ``perf_counter`` only for an observer); a resend reuses the same call,
+        hence the same idempotency token."""
         call = prepared.call
         if call is None:
             return prepared.parse(None)
-        started = time.perf_counter()
-        reply = self._retrying(prepared.operation, lambda: self._send(prepared.operation, call))
+        observer = self.observer
+        started = time.monotonic()
+        timer = time.perf_counter() if observer is not None else 0.0
+        operation = prepared.operation
+        try:
+            reply = self._send(operation, call)
+        except RETRYABLE as exc:
+            reply = self._resend(operation, partial(self._send, operation, call), started, exc)
         result = prepared.parse(reply)
-        if self.observer is not None:
-            self.observer(prepared.operation, time.perf_counter() - started)
+        if observer is not None:
+            observer(operation, time.perf_counter() - timer)
         return result
 
     # -- replication option (wait_replicas): see replication.py --------------------------------

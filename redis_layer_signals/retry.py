@@ -32,12 +32,17 @@ MAX_BACKOFF_S = 0.25
 
 
 class Attempts:
-    """Tracks one call's retry budget; ``next_delay`` says how long to wait or gives up."""
+    """Tracks one call's retry budget; ``next_delay`` says how long to wait or gives up.
 
-    def __init__(self, operation: str, retry_s: float) -> None:
+    ``started`` (a ``time.monotonic()`` reading) is when the call began: the buffers send once
+    before building this, only after a retryable error, and the budget must still count from
+    the first attempt, so a slow first attempt does not extend the bound.
+    """
+
+    def __init__(self, operation: str, retry_s: float, started: float | None = None) -> None:
         self.operation = operation
         self.retry_s = retry_s
-        self.deadline = time.monotonic() + retry_s
+        self.deadline = (time.monotonic() if started is None else started) + retry_s
         self.count = 0
 
     def next_delay(self, cause: BaseException) -> float:
