@@ -2,11 +2,17 @@
 
 The wheel ships ``lua/`` inside the package (``redis_layer_signals/lua``); a source checkout
 keeps it at the top level, which is where an editable install finds it.
+
+Each operation script is sent with the helpers of ``_lib.lua`` that it uses, directly or
+through another helper, and no others. Lua creates every ``local function`` of a script anew
+on each call (EVAL keeps no state between calls), so an unused helper is not free: each one
+costs about as much server work as a short string operation, on every call.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -16,12 +22,25 @@ from pathlib import Path
 LIBRARY = "_lib.lua"
 OPERATIONS = ("record", "register", "finish", "sweep")
 
+_DEFINITION = re.compile(r"^local (?:function (\w+)|([\w, ]+?) =)", re.MULTILINE)
+_COMMENT = re.compile(r"--[^\n]*")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
 
 @dataclass(frozen=True)
 class Script:
     name: str
     text: str
     sha: str
+
+
+@dataclass(frozen=True)
+class Definition:
+    """One top-level ``local`` of the library, with the comment lines just above it."""
+
+    names: frozenset[str]
+    text: str
+    uses: frozenset[str]
 
 
 def _lua_dir() -> Traversable:
@@ -34,13 +53,59 @@ def _lua_dir() -> Traversable:
     raise FileNotFoundError("redis_layer_signals: Lua scripts not found in the package or checkout")
 
 
+def _names_in(code: str) -> frozenset[str]:
+    return frozenset(_NAME.findall(_COMMENT.sub("", code)))
+
+
+def definitions(library: str) -> list[Definition]:
+    """The library cut at each top-level ``local``; a definition runs to the next one, and the
+    comment block right above a definition belongs to it (the file's header belongs to none)."""
+    lines = library.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if _DEFINITION.match(line)]
+    out = []
+    for index, start in enumerate(starts):
+        first = start
+        while first > 0 and lines[first - 1].startswith("--") and (index == 0 or first - 1 > starts[index - 1]):
+            first -= 1
+        if index == 0:
+            first = start  # the file header is documentation, not part of the first helper
+        end = starts[index + 1] if index + 1 < len(starts) else len(lines)
+        while end > start + 1 and lines[end - 1].startswith("--"):
+            end -= 1  # the next definition's comment
+        match = _DEFINITION.match(lines[start])
+        assert match is not None
+        names = match.group(1) or match.group(2)
+        declared = frozenset(name.strip() for name in names.split(","))
+        body = "".join(lines[first:end])
+        out.append(Definition(declared, body, _names_in("".join(lines[start:end])) - declared))
+    return out
+
+
+def link(library: str, body: str) -> str:
+    """``body`` preceded by the library definitions it needs, in library order."""
+    defs = definitions(library)
+    wanted = set(_names_in(body))
+    needed: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for index, definition in enumerate(defs):
+            if index not in needed and definition.names & wanted:
+                needed.add(index)
+                wanted |= definition.uses
+                changed = True
+    helpers = "".join(defs[index].text.rstrip("\n") + "\n\n" for index in sorted(needed))
+    return helpers + body
+
+
 @cache
 def load(name: str) -> Script:
-    """The operation script ``name``, with the shared helpers prepended (one SHA for both)."""
+    """The operation script ``name`` with the helpers it uses (one SHA for both)."""
     if name not in OPERATIONS:
         raise KeyError(name)
     folder = _lua_dir()
-    text = (folder / LIBRARY).read_text(encoding="utf-8") + (folder / f"{name}.lua").read_text(encoding="utf-8")
+    library = (folder / LIBRARY).read_text(encoding="utf-8")
+    text = link(library, (folder / f"{name}.lua").read_text(encoding="utf-8"))
     return Script(name=name, text=text, sha=hashlib.sha1(text.encode()).hexdigest())
 
 
