@@ -15,11 +15,12 @@
 -- Hashes that scripts read with one HMGET per batch (live, pending) are created with the
 -- HASHTABLE field below: its value is longer than hash-max-listpack-value, so Redis keeps them
 -- in hashtable encoding, where HMGET costs O(1) per field instead of a scan of the listpack.
--- In the pending hash the marker's value is "<longest TTL>|<next due>|<key expires at>|...":
+-- In the pending hash the marker's value is "<longest TTL>|<next due>|<key expires at>|...",
+-- each a 16-digit stamp (see ms16):
 -- while a record uses no longer TTL, a slot that already holds records needs no expiry ZADD;
 -- a call before <next due> (at or before the expiry index's earliest score) skips the sweep;
 -- a call well before <key expires at> (0 under an injected clock) skips the PTTL. The live
--- hash's marker is "<key expires at>|<next due>|...": a record that only delivers reads it in
+-- hash's marker is "<key expires at>|<next due>|...", stamps too: a record that only delivers reads it in
 -- the HMGET it makes anyway and sweeps only once something may be due. Both <next due> stay at
 -- or before the index's earliest score: only record adds scores, and it lowers both markers.
 --
@@ -28,7 +29,7 @@
 -- zset small (listpack-encoded for up to 1024 slots); a score left early by a pop is only a
 -- visit the sweep makes for nothing, and the sweep then writes the exact score back.
 
-local find, sub, format, match = string.find, string.sub, string.format, string.match
+local find, sub, format = string.find, string.sub, string.format
 
 local HASHTABLE_FIELD = '~'
 local HASHTABLE_VALUE = 'kept longer than hash-max-listpack-value (64) so HMGET stays O(1) per field'
@@ -47,34 +48,36 @@ local function now_ms(arg)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function group_of(slot)
-  return fmt(math.floor(tonumber(slot) / EXPIRY_GROUP))
+-- The records of one slot's packed value, one per step of a generic for, cut out with plain
+-- finds (no pattern matching, no table per record):
+--   for after, layer, tokens, rid, at, deadline in records(value) do ... end
+-- The first value is where the next record starts, so a record that starts at `from` is
+-- sub(value, from - 1, after - 2) with its ';'; the rest are strings.
+local function next_record(value, from)
+  if from > #value then
+    return nil
+  end
+  local c1 = find(value, ',', from, true)
+  local c2 = find(value, ',', c1 + 1, true)
+  local c3 = find(value, ',', c2 + 1, true)
+  local c4 = find(value, ',', c3 + 1, true)
+  local stop = find(value, ';', c4 + 1, true) or #value + 1
+  return stop + 1, sub(value, from, c1 - 1), sub(value, c1 + 1, c2 - 1), sub(value, c2 + 1, c3 - 1),
+    sub(value, c3 + 1, c4 - 1), sub(value, c4 + 1, stop - 1)
 end
 
-local function parse_pending(value)
-  local records = {}
-  if not value then
-    return records
-  end
-  for layer, tokens, rid, at, deadline in string.gmatch(value, ';([^,;]*),([^,;]*),([^,;]*),([^,;]*),([^,;]*)') do
-    records[#records + 1] = {layer = layer, tokens = tokens, rid = rid, at = at, deadline = tonumber(deadline)}
-  end
-  return records
+local function records(value)
+  return next_record, value or '', 2
 end
 
-local function encode_pending(records)
-  local parts = {}
-  for i, rec in ipairs(records) do
-    parts[i] = ';' .. rec.layer .. ',' .. rec.tokens .. ',' .. rec.rid .. ',' .. rec.at .. ',' .. fmt(rec.deadline)
-  end
-  return table.concat(parts)
-end
-
--- A lease deadline as the live hash stores it: fixed width, so record compares it with the
--- current time as a string, without converting every holder of a batch to a number.
-local function lease(ms)
+-- Milliseconds as a 16-digit, zero-padded stamp: lease deadlines and marker times are stored
+-- so, and such strings compare as the numbers they hold. A check is then one sub and one
+-- string comparison; tonumber and format are the dearest steps of a small script.
+local function ms16(ms)
   return format('%016d', ms)
 end
+
+local ZERO16, FAR16 = '0000000000000000', '9007199254740991'
 
 -- Remove a hash that only holds the encoding marker, so a released rank leaves no keys (the
 -- scripts create these hashes with the marker, so one field left is the marker).
@@ -90,13 +93,13 @@ local function drop_if_empty(key, also)
   return false
 end
 
--- Holder of a slot from the rank's live hash: request id and whether its lease still runs.
-local function parse_holder(value, now)
+-- Holder of a slot from the rank's live hash, "<lease deadline stamp>|<request id>": the
+-- request id and whether its lease still runs (now16: the current time as a stamp).
+local function parse_holder(value, now16)
   if not value then
     return nil, false
   end
-  local bar = find(value, '|', 1, true)
-  return sub(value, 1, bar - 1), tonumber(sub(value, bar + 1)) > now
+  return sub(value, 18), sub(value, 1, 16) > now16
 end
 
 -- Remove one slot's pending field; when the rank has no pending signals left, drop the hash
@@ -106,12 +109,12 @@ local function clear_pending(pending_key, expiry_key, slot)
   drop_if_empty(pending_key, expiry_key)
 end
 
--- Write back one slot's remaining records (finish keeps other requests' signals).
-local function store_pending(pending_key, expiry_key, slot, records)
-  if #records == 0 then
+-- Write back one slot's remaining records, packed (finish keeps other requests' signals).
+local function store_pending(pending_key, expiry_key, slot, packed)
+  if packed == '' then
     clear_pending(pending_key, expiry_key, slot)
   else
-    redis.call('HSET', pending_key, slot, encode_pending(records))
+    redis.call('HSET', pending_key, slot, packed)
   end
 end
 
@@ -142,23 +145,25 @@ local function sweep(pending_key, expiry_key, stats_key, now, limit)
     local group_expired = 0
     for s = 1, EXPIRY_GROUP do
       if values[s] then
-        local kept, gone = {}, 0
-        for _, rec in ipairs(parse_pending(values[s])) do
-          if rec.deadline <= now then
+        local value, kept, gone, from = values[s], {}, 0, 2
+        for after, _, _, _, _, deadline in records(value) do
+          local ms = tonumber(deadline)
+          if ms <= now then
             gone = gone + 1
           else
-            kept[#kept + 1] = rec
-            if earliest == nil or rec.deadline < earliest then
-              earliest = rec.deadline
+            kept[#kept + 1] = sub(value, from - 1, after - 2)
+            if earliest == nil or ms < earliest then
+              earliest = ms
             end
           end
+          from = after
         end
         if gone > 0 then
           group_expired = group_expired + gone
           if #kept == 0 then
             redis.call('HDEL', pending_key, fields[s])
           else
-            redis.call('HSET', pending_key, fields[s], encode_pending(kept))
+            redis.call('HSET', pending_key, fields[s], table.concat(kept))
           end
         end
       end
@@ -186,35 +191,30 @@ local function count(stats_key, field, n)
   end
 end
 
-local FAR = 9007199254740991
-
--- The pending hash's marker, or nil when it has none (see the top of this file).
+-- The pending hash's marker as stamps {longest, due, expires}, or nil when it has none (or one
+-- this version did not write: the caller then treats the hash as new).
 local function read_meta(value)
-  if not value then
+  if not value or sub(value, 17, 17) ~= '|' or sub(value, 34, 34) ~= '|' or sub(value, 51, 51) ~= '|' then
     return nil
   end
-  local longest, due, expires = match(value, '^(%d+)|(%d+)|(%d+)|')
-  if not longest then
-    return nil
-  end
-  return {longest = tonumber(longest), due = tonumber(due), expires = tonumber(expires)}
+  return {longest = sub(value, 1, 16), due = sub(value, 18, 33), expires = sub(value, 35, 50)}
 end
 
 local function encode_meta(meta)
-  return fmt(meta.longest) .. '|' .. fmt(meta.due) .. '|' .. fmt(meta.expires) .. '|' .. HASHTABLE_VALUE
+  return meta.longest .. '|' .. meta.due .. '|' .. meta.expires .. '|' .. HASHTABLE_VALUE
 end
 
 -- Sweep only when the marker says a deadline may have passed, then write the index's new
 -- earliest score into the marker. No marker: no pending hash (record creates both together,
 -- and the expiry index lives and dies with it), so nothing to expire. Returns whether it
 -- swept, so the caller reads again what the sweep may have changed.
-local function sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta)
-  if meta == nil or meta.due > now then
+local function sweep_if_due(pending_key, expiry_key, stats_key, now, now16, limit, meta)
+  if meta == nil or meta.due > now16 then
     return false
   end
   sweep(pending_key, expiry_key, stats_key, now, limit)
   local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
-  meta.due = first[2] and tonumber(first[2]) or FAR
+  meta.due = first[2] and ms16(tonumber(first[2])) or FAR16
   if redis.call('EXISTS', pending_key) == 1 then
     redis.call('HSET', pending_key, HASHTABLE_FIELD, encode_meta(meta))
   end
@@ -224,26 +224,26 @@ end
 -- One slot's pending field and the pending hash's marker, read again after a sweep when one
 -- was due (the sweep may have removed the slot's expired records). register and finish start
 -- here; meta is nil when the rank has no pending hash.
-local function slot_pending(pending_key, expiry_key, stats_key, slot, now, limit)
+local function slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, limit)
   local found = redis.call('HMGET', pending_key, slot, HASHTABLE_FIELD)
   local stored, meta = found[1], read_meta(found[2])
-  if sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta) then
+  if sweep_if_due(pending_key, expiry_key, stats_key, now, now16, limit, meta) then
     stored = redis.call('HGET', pending_key, slot)
   end
   return stored, meta
 end
 
--- The live hash's marker: when the key expires and when a sweep may be due; nils if absent.
+-- The live hash's marker as stamps: when the key expires and when a sweep may be due; nils
+-- when absent (or not written by this version).
 local function read_live_marker(value)
-  if not value then
+  if not value or sub(value, 17, 17) ~= '|' or sub(value, 34, 34) ~= '|' then
     return nil, nil
   end
-  local expires, due = match(value, '^(%d+)|(%d+)|')
-  return tonumber(expires), tonumber(due)
+  return sub(value, 1, 16), sub(value, 18, 33)
 end
 
-local function live_marker(expires, due)
-  return fmt(expires) .. '|' .. fmt(due) .. '|' .. HASHTABLE_VALUE
+local function live_marker(expires16, due16)
+  return expires16 .. '|' .. due16 .. '|' .. HASHTABLE_VALUE
 end
 
 -- Idempotency: the first reply of this call when a resend of it already ran (counted as

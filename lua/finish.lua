@@ -1,6 +1,6 @@
 -- finish.lua: release a slot when its request is done (or aborted), fenced by request id.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"; "~" -> marker
+-- KEYS[1] live     hash  slot -> "<lease deadline ms, 16 digits>|request_id"; "~" -> marker
 -- KEYS[2] tasks    hash  slot -> task document; "<slot>:recovery" -> its recovery
 -- KEYS[3] pending  hash  slot -> packed pending records; "~" -> marker (see _lib.lua)
 -- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
@@ -29,10 +29,11 @@ end
 local now = now_ms(ARGV[1])
 local slot, request_id = ARGV[2], ARGV[3]
 
-local stored = slot_pending(pending_key, expiry_key, stats_key, slot, now, tonumber(ARGV[5]))
+local now16 = ms16(now)
+local stored = slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, tonumber(ARGV[5]))
 
 local reply
-local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now)
+local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now16)
 if alive and holder ~= request_id then
   redis.call('HINCRBY', stats_key, 'fenced', 1)
   reply = 'ok|' .. fmt(now) .. '|0,0,1'
@@ -45,16 +46,17 @@ else
     removed = 1
     redis.call('HINCRBY', stats_key, 'finished', 1)
   end
-  local kept, dropped = {}, 0
-  for _, rec in ipairs(parse_pending(stored)) do
-    if rec.rid == '' or rec.rid == request_id then
+  local kept, dropped, from = {}, 0, 2
+  for after, _, _, rid in records(stored) do
+    if rid == '' or rid == request_id then
       dropped = dropped + 1
     else
-      kept[#kept + 1] = rec
+      kept[#kept + 1] = sub(stored, from - 1, after - 2)
     end
+    from = after
   end
   if dropped > 0 then
-    store_pending(pending_key, expiry_key, slot, kept)
+    store_pending(pending_key, expiry_key, slot, table.concat(kept))
     redis.call('HINCRBY', stats_key, 'finish_dropped', dropped)
   end
   reply = 'ok|' .. fmt(now) .. '|' .. removed .. ',' .. dropped .. ',0'

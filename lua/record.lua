@@ -1,6 +1,6 @@
 -- record.lua: deliver or buffer one batch of layer signals of one instance and rank.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"; "~" -> marker
+-- KEYS[1] live     hash  slot -> "<lease deadline ms, 16 digits>|request_id"; "~" -> marker
 -- KEYS[2] pending  hash  slot -> packed pending records; "~" -> marker (see _lib.lua)
 -- KEYS[3] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
 -- KEYS[4] stats    hash  counters (no TTL)
@@ -55,20 +55,22 @@ slots[n + 1] = nil
 local has_live = holders[n + 1] ~= false
 local live_expires, live_due = read_live_marker(holders[n + 1] or nil)
 
--- Delivered when the slot's lease runs (fixed-width deadlines compare as strings) and the
--- entry names no request or the holder's; request ids are only looked at when sent.
-local now16 = lease(now)
+-- Delivered when the slot's lease runs and the entry names no request or the holder's; request
+-- ids are only looked at when sent. A holder starts with its deadline stamp, so comparing the
+-- whole value with the stamp of now + 1 ms is "deadline > now" without cutting it out: an
+-- equal stamp loses to the longer holder, a later one wins.
+local now16, next16 = ms16(now), ms16(now + 1)
 local with_rids = ARGV[8] == '1'
 local flags = {}
 local buffered = {}
 local nbuffered = 0
 for i = 1, n do
   local holder = holders[i]
-  local delivered = holder and sub(holder, -16) > now16
+  local delivered = holder and holder > next16
   if delivered and with_rids then
     local tail = tail_of(i)
     local rid = sub(tail, find(tail, ',', 1, true) + 1)
-    delivered = rid == '' or rid == sub(holder, 1, -18)
+    delivered = rid == '' or rid == sub(holder, 18)
   end
   if delivered then
     flags[i] = 'D'
@@ -83,12 +85,12 @@ local superseded = 0
 local limit = tonumber(ARGV[6])
 if nbuffered == 0 then
   -- Only delivering: sweep when the live marker says something may be due, then move it on.
-  if live_due == nil or live_due <= now then
+  if live_due == nil or live_due <= now16 then
     sweep(pending_key, expiry_key, stats_key, now, limit)
     if has_live then
       local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
-      local due = first[2] and tonumber(first[2]) or FAR
-      redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or 0, due))
+      local due = first[2] and ms16(tonumber(first[2])) or FAR16
+      redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or ZERO16, due))
     end
   end
 else
@@ -107,7 +109,7 @@ else
   order[norder + 1] = HASHTABLE_FIELD
   local values = redis.call('HMGET', pending_key, unpack(order))
   local meta = read_meta(values[norder + 1])
-  if sweep_if_due(pending_key, expiry_key, stats_key, now, limit, meta) then
+  if sweep_if_due(pending_key, expiry_key, stats_key, now, now16, limit, meta) then
     values = redis.call('HMGET', pending_key, unpack(order))
     meta = read_meta(values[norder + 1])
   end
@@ -116,12 +118,13 @@ else
   if meta == nil then
     -- A hash without a marker is new (or older than markers): index every slot, sweep soon.
     local existed = redis.call('EXISTS', pending_key) == 1
-    meta = {longest = ttl, due = existed and 0 or FAR, expires = 0}
+    meta = {longest = ms16(ttl), due = existed and ZERO16 or FAR16, expires = ZERO16}
   end
   -- A slot that holds records has its group indexed no later than its earliest deadline; with
   -- the server's clock and no TTL longer than the rank's longest so far, this record's deadline
   -- is not earlier, so only new slots need a ZADD. An injected clock may go back: always ZADD.
-  local all_new = injected or changed or ttl > meta.longest
+  local ttl16 = ms16(ttl)
+  local all_new = injected or changed or ttl16 > meta.longest
   local marker = ';' .. layer .. ','
   local dl = fmt(deadline)
   local suffix = ',' .. at .. ',' .. dl
@@ -167,28 +170,31 @@ else
     hset[2 * j - 1] = order[j]
     hset[2 * j] = values[j]
   end
-  if ttl > meta.longest then
-    meta.longest = ttl
+  if ttl16 > meta.longest then
+    meta.longest = ttl16
     changed = true
   end
-  if nzadd > 1 and deadline < meta.due then
-    meta.due = deadline
-    changed = true
+  if nzadd > 1 then
+    local deadline16 = ms16(deadline)
+    if deadline16 < meta.due then
+      meta.due = deadline16
+      changed = true
+    end
   end
   -- The expiry index lives and dies with the pending hash: their TTLs are refreshed together.
   local key_ttl = tonumber(ARGV[4])
-  local floor_ttl = key_ttl - (key_ttl - ttl) / 2
+  local floor_ttl = key_ttl - math.floor((key_ttl - ttl) / 2)
   local refresh
   if injected then
     refresh = redis.call('PTTL', pending_key) < floor_ttl
-    if meta.expires ~= 0 then
-      meta.expires = 0
+    if meta.expires ~= ZERO16 then
+      meta.expires = ZERO16
       changed = true
     end
   else
-    refresh = meta.expires - now < floor_ttl
+    refresh = meta.expires < ms16(now + floor_ttl)
     if refresh then
-      meta.expires = now + key_ttl
+      meta.expires = ms16(now + key_ttl)
       changed = true
     end
   end
@@ -206,7 +212,7 @@ else
   end
   -- The live marker's next due may not be later than the index's earliest score.
   if has_live and (live_due == nil or meta.due < live_due) then
-    redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or 0, meta.due))
+    redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or ZERO16, meta.due))
   end
 end
 

@@ -1,6 +1,6 @@
 -- register.lua: make a cache task the holder of its slot and hand it the slot's early signals.
 --
--- KEYS[1] live     hash  slot -> "request_id|lease deadline ms, 16 digits"; "~" -> marker
+-- KEYS[1] live     hash  slot -> "<lease deadline ms, 16 digits>|request_id"; "~" -> marker
 -- KEYS[2] tasks    hash  slot -> task document (opaque here); "<slot>:recovery" -> its reply
 -- KEYS[3] pending  hash  slot -> packed pending records; "~" -> marker (see _lib.lua)
 -- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
@@ -35,11 +35,12 @@ local now = now_ms(ARGV[1])
 local slot, request_id = ARGV[2], ARGV[3]
 local need, num_layers = tonumber(ARGV[4]), tonumber(ARGV[5])
 local task_ttl = tonumber(ARGV[7])
+local now16 = ms16(now)
 
-local stored, meta = slot_pending(pending_key, expiry_key, stats_key, slot, now, tonumber(ARGV[10]))
+local stored, meta = slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, tonumber(ARGV[10]))
 
 local live = redis.call('HMGET', live_key, slot, HASHTABLE_FIELD)
-local holder, alive = parse_holder(live[1], now)
+local holder, alive = parse_holder(live[1], now16)
 local status = 'ok'
 -- Every reply, refusals included, is kept under the token: a resend must not count twice.
 local function reply_with(reply)
@@ -59,34 +60,24 @@ if alive then
   redis.call('HINCRBY', stats_key, 'replaced', 1)
 end
 
-local records = parse_pending(stored)
--- Records are kept in arrival order, usually ascending layers: sort only when they are not.
+-- One pass over the slot's records: each becomes a payload part, with its reason. Records are
+-- kept in arrival order, usually ascending layers: the parts are sorted only when they are not.
+local parts, layers = {}, {}
+local popped, recovered = 0, 0
 local sorted = true
-for i, rec in ipairs(records) do
-  rec.n = tonumber(rec.layer)
-  if i > 1 and rec.n < records[i - 1].n then
-    sorted = false
-  end
-end
-if not sorted then
-  table.sort(records, function(a, b) return a.n < b.n end)
-end
-
-local parts = {}
-local recovered = 0
 local dropped = {}
-for i, rec in ipairs(records) do
-  local tokens = tonumber(rec.tokens)
+for _, layer, tokens, rid, at, deadline in records(stored) do
+  local n, amount = tonumber(layer), tonumber(tokens)
   local reason = ''
-  if rec.deadline <= now then
+  if tonumber(deadline) <= now then
     reason = 'expired'
-  elseif rec.rid ~= '' and rec.rid ~= request_id then
+  elseif rid ~= '' and rid ~= request_id then
     reason = 'request_mismatch'
-  elseif rec.n >= num_layers then
+  elseif n >= num_layers then
     reason = 'layer_out_of_range'
-  elseif tokens <= 0 then
+  elseif amount <= 0 then
     reason = 'non_positive'
-  elseif tokens > need then
+  elseif amount > need then
     reason = 'over_need'
   end
   if reason == '' then
@@ -94,7 +85,22 @@ for i, rec in ipairs(records) do
   else
     dropped[reason] = (dropped[reason] or 0) + 1
   end
-  parts[i] = rec.layer .. ',' .. rec.tokens .. ',' .. rec.rid .. ',' .. rec.at .. ',' .. reason .. ';'
+  popped = popped + 1
+  if popped > 1 and n < layers[popped - 1] then
+    sorted = false
+  end
+  parts[popped], layers[popped] = layer .. ',' .. tokens .. ',' .. rid .. ',' .. at .. ',' .. reason .. ';', n
+end
+if not sorted then
+  local by_layer = {}
+  for i = 1, popped do
+    by_layer[i] = i
+  end
+  table.sort(by_layer, function(x, y) return layers[x] < layers[y] end)
+  for i = 1, popped do
+    by_layer[i] = parts[by_layer[i]]
+  end
+  parts = by_layer
 end
 local payload = table.concat(parts)
 
@@ -105,21 +111,25 @@ end
 -- live and tasks gain and lose their fields together, so their TTLs are refreshed together,
 -- once half the grace is used: the live marker says when (a PTTL under an injected clock).
 local key_ttl = tonumber(ARGV[11])
-local floor_ttl = key_ttl - (key_ttl - task_ttl) / 2
-local hset = {slot, request_id .. '|' .. lease(now + task_ttl)}
+local floor_ttl = key_ttl - math.floor((key_ttl - task_ttl) / 2)
+local hset = {slot, ms16(now + task_ttl) .. '|' .. request_id}
 local live_expires, live_due = read_live_marker(live[2] or nil)
--- A new marker's next due: the pending marker's (a lower bound too), or none pending.
-local due = math.min(live_due or FAR, meta and meta.due or FAR)
+-- A new marker's next due: the earlier of its own and the pending marker's (a lower bound
+-- too), or none pending.
+local due = live_due or FAR16
+if meta and meta.due < due then
+  due = meta.due
+end
 local refresh
 if ARGV[1] ~= '' then
   refresh = redis.call('PTTL', live_key) < floor_ttl
   if live_expires == nil then
-    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(0, due)
+    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(ZERO16, due)
   end
 else
-  refresh = live_expires == nil or live_expires - now < floor_ttl
+  refresh = live_expires == nil or live_expires < ms16(now + floor_ttl)
   if refresh then
-    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(now + key_ttl, due)
+    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(ms16(now + key_ttl), due)
   end
 end
 redis.call('HSET', live_key, unpack(hset))

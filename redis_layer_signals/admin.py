@@ -12,7 +12,7 @@ from typing import Any
 
 from .buffer import SignalBuffer
 from .keys import KeySpace
-from .protocol import decode_task, pending_records, text
+from .protocol import decode_task, pending_records, split_holder, text
 
 PURGE_BATCH = 500
 """Keys removed per UNLINK: bounds one command's work on the server."""
@@ -65,8 +65,8 @@ def snapshot(
         keys = buf.protocol.keys.rank(inst, rk)
         documents = {text(name): doc for name, doc in buf.client.hgetall(keys.tasks).items()}
         for s, holder in _slot_fields(buf.client.hgetall(keys.live), slot):
-            request_id, _, deadline = holder.rpartition("|")
-            if int(deadline) <= now:
+            request_id, deadline = split_holder(holder)
+            if deadline <= now:
                 continue  # a lapsed lease is no live task
             task = decode_task(inst, rk, s, holder, documents.get(str(s)), now)
             shot.tasks.append(
@@ -77,7 +77,7 @@ def snapshot(
                     request_id,
                     task.need_prefill_tokens if task else None,
                     task.num_layers if task else None,
-                    int(deadline) - now,
+                    deadline - now,
                 )
             )
         for s, packed in _slot_fields(buf.client.hgetall(keys.pending), slot):

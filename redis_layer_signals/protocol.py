@@ -538,12 +538,19 @@ def encode_task(task: CacheTask) -> str:
     )
 
 
+def split_holder(holder: Any) -> tuple[str, int]:
+    """A live entry, ``"<lease deadline ms, 16 digits>|<request id>"``, as (request id, deadline).
+    The deadline comes first so that record.lua compares whole entries with a time stamp."""
+    deadline, _, request_id = text(holder).partition("|")
+    return request_id, int(deadline)
+
+
 def decode_task(instance: str, rank: int, slot: int, holder: Any, document: Any, now_ms: int) -> CacheTask | None:
     """The live task of a slot from its live entry and document, or None when absent or lapsed."""
     if holder is None or document is None:
         return None
-    request_id, deadline = text(holder).rsplit("|", 1)
-    if int(deadline) <= now_ms:
+    request_id, deadline = split_holder(holder)
+    if deadline <= now_ms:
         return None
     doc = json.loads(text(document))
     if doc["request_id"] != request_id:
