@@ -31,8 +31,6 @@ end
 
 local now = now_ms(ARGV[1])
 local layer = ARGV[2]
-local ttl = tonumber(ARGV[3])
-local deadline = now + ttl
 local at = fmt(now)
 
 -- Slots as strings (HMGET wants them), the rest of each entry as a position: its text is cut
@@ -81,17 +79,25 @@ for i = 1, n do
   end
 end
 
+-- The common path ends here: every entry delivered and, by the live marker, nothing due.
+if nbuffered == 0 and live_due ~= nil and live_due > now16 then
+  count(stats_key, 'delivered', n)
+  return remember_reply(reply_key, 'ok|' .. at .. '|' .. table.concat(flags), ARGV[5])
+end
+
+-- @helpers: the library helpers only the code below uses are created here (see scripts.py).
+
+local ttl = tonumber(ARGV[3])
+local deadline = now + ttl
 local superseded = 0
 local limit = tonumber(ARGV[6])
 if nbuffered == 0 then
-  -- Only delivering: sweep when the live marker says something may be due, then move it on.
-  if live_due == nil or live_due <= now16 then
-    sweep(pending_key, expiry_key, stats_key, now, limit)
-    if has_live then
-      local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
-      local due = first[2] and ms16(tonumber(first[2])) or FAR16
-      redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or ZERO16, due))
-    end
+  -- Only delivering, and something may be due: sweep, then move the live marker on.
+  sweep(pending_key, expiry_key, stats_key, now, limit)
+  if has_live then
+    local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
+    local due = first[2] and ms16(tonumber(first[2])) or FAR16
+    redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or ZERO16, due))
   end
 else
   local injected = ARGV[1] ~= ''

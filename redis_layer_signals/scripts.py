@@ -6,7 +6,9 @@ keeps it at the top level, which is where an editable install finds it.
 Each operation script is sent with the helpers of ``_lib.lua`` that it uses, directly or
 through another helper, and no others. Lua creates every ``local function`` of a script anew
 on each call (EVAL keeps no state between calls), so an unused helper is not free: each one
-costs about as much server work as a short string operation, on every call.
+costs about as much server work as a short string operation, on every call. For the same
+reason a script can mark where its common path ends (see :func:`link`): helpers only the
+rest of it needs are created there.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 LIBRARY = "_lib.lua"
+HELPERS_MARKER = "-- @helpers"
+_MARKER_LINE = re.compile(rf"^{re.escape(HELPERS_MARKER)}[^\n]*\n", re.MULTILINE)
 OPERATIONS = ("record", "register", "finish", "sweep")
 
 _DEFINITION = re.compile(r"^local (?:function (\w+)|([\w, ]+?) =)", re.MULTILINE)
@@ -81,21 +85,37 @@ def definitions(library: str) -> list[Definition]:
     return out
 
 
-def link(library: str, body: str) -> str:
-    """``body`` preceded by the library definitions it needs, in library order."""
-    defs = definitions(library)
-    wanted = set(_names_in(body))
-    needed: set[int] = set()
+def _closure(defs: list[Definition], names: set[str], taken: set[int]) -> set[int]:
+    """Indexes of the definitions that ``names`` need, directly or through each other, leaving
+    out those already ``taken``."""
+    wanted, needed = set(names), set()
     changed = True
     while changed:
         changed = False
         for index, definition in enumerate(defs):
-            if index not in needed and definition.names & wanted:
+            if index not in needed and index not in taken and definition.names & wanted:
                 needed.add(index)
                 wanted |= definition.uses
                 changed = True
-    helpers = "".join(defs[index].text.rstrip("\n") + "\n\n" for index in sorted(needed))
-    return helpers + body
+    return needed
+
+
+def link(library: str, body: str) -> str:
+    """``body`` with the library definitions it needs, each group in library order.
+
+    A body may hold a line ``-- @helpers``: the definitions its code above that line needs
+    come first, the others are placed at the line, so a call that returns before it never
+    creates them (record's delivering path stops there)."""
+    defs = definitions(library)
+    found = _MARKER_LINE.search(body)
+    head, tail = (body[: found.end()], body[found.end() :]) if found else (body, "")
+    top = _closure(defs, set(_names_in(head)), set())
+    rest = _closure(defs, set(_names_in(tail)), top)
+
+    def block(indexes: set[int]) -> str:
+        return "".join(defs[index].text.rstrip("\n") + "\n\n" for index in sorted(indexes))
+
+    return block(top) + head + block(rest) + tail.lstrip("\n")
 
 
 @cache

@@ -59,3 +59,20 @@ def test_every_operation_defines_what_it_calls_and_nothing_it_does_not() -> None
             assert len(re.findall(rf"\b{helper}\b", code)) >= 2, (name, helper)
     assert "slot_pending" not in defined(load("record").text)
     assert "sweep" in defined(load("sweep").text) and "parse_holder" not in defined(load("sweep").text)
+
+
+def test_helpers_only_the_rest_needs_are_placed_at_the_marker() -> None:
+    body = (
+        "local x = inner(ARGV[1])\nif x then\n  return x\nend\n"
+        "-- @helpers: after the common path\nreturn outer(ARGV[1])\n"
+    )
+    text = link(LIBRARY, body)
+    head, _, rest = text.partition("-- @helpers: after the common path\n")
+    assert defined(head) == ["inner"] and defined(rest) == ["outer"]
+    assert "local find, sub" in head and rest.rstrip().endswith("return outer(ARGV[1])")
+
+
+def test_record_creates_no_sweep_helper_before_its_delivering_path_returns() -> None:
+    head, _, rest = load("record").text.partition("-- @helpers")
+    assert "sweep" not in defined(head) and "sweep" in defined(rest)
+    assert {"replayed_reply", "remember_reply", "now_ms"} <= set(defined(head))
