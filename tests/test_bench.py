@@ -151,3 +151,23 @@ def test_rls_bench_is_a_command_with_the_benchmark_options() -> None:
     )
     for option in ("--redis", "--sizes", "--pending", "--processes", "--json", "--no-plot"):
         assert option in done.stdout, option
+
+
+def test_instruction_counts_come_from_a_callgrind_server_and_exceed_the_floor(tmp_path: Path) -> None:
+    """benchmarks/instructions.py at a tiny size: every row is counted (no timing involved), a
+    script that does work costs more than one that only returns, and the files are written."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "instructions.py"
+    cases = "record.delivered.1,register.1,finish"
+    done = subprocess.run(
+        [sys.executable, str(script), "--calls", "6", "--only", cases, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    rows = json.loads((tmp_path / "instructions.json").read_text())
+    assert [row["case"] for row in rows] == ["record.delivered.1", "register.1", "finish"]
+    for row in rows:
+        assert row["floor"] > 1000 and row["ours"] > row["floor"]
+        assert row["ratio"] == pytest.approx(row["ours"] / row["floor"])
+    assert done.stdout == (tmp_path / "instructions.md").read_text().split("\n\n", 1)[1]
