@@ -191,11 +191,16 @@ local function count(stats_key, field, n)
   end
 end
 
--- The pending hash's marker as stamps {longest, due, expires}, or nil when it has none (or one
--- this version did not write: the caller then treats the hash as new).
+-- The pending hash's marker as stamps {longest, due, expires}, or nil when it has none. A marker
+-- this version did not write (an older layout) reads as all zeros: a sweep is due now, which
+-- rewrites it, and every slot is indexed and the TTL refreshed, as for a new hash. Reading it
+-- as none would let register give the live marker a far-future <next due> (no sweep ever).
 local function read_meta(value)
-  if not value or sub(value, 17, 17) ~= '|' or sub(value, 34, 34) ~= '|' or sub(value, 51, 51) ~= '|' then
+  if not value then
     return nil
+  end
+  if sub(value, 17, 17) ~= '|' or sub(value, 34, 34) ~= '|' or sub(value, 51, 51) ~= '|' then
+    return {longest = ZERO16, due = ZERO16, expires = ZERO16}
   end
   return {longest = sub(value, 1, 16), due = sub(value, 18, 33), expires = sub(value, 35, 50)}
 end
