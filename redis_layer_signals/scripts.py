@@ -29,6 +29,8 @@ OPERATIONS = ("record", "register", "finish", "sweep")
 _DEFINITION = re.compile(r"^local (?:function (\w+)|([\w, ]+?) =)", re.MULTILINE)
 _COMMENT = re.compile(r"--[^\n]*")
 _NAME = re.compile(r"[A-Za-z_]\w*")
+_LOCAL = re.compile(r"\blocal\s+(?:function\s+)?([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)")
+_BOUND = re.compile(r"\bfunction\b[\w.: ]*\(([\w, .]*)\)|\bfor\s+([\w, ]+?)\s*(?:=|\bin\b)")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,19 @@ def _lua_dir() -> Traversable:
 
 def _names_in(code: str) -> frozenset[str]:
     return frozenset(_NAME.findall(_COMMENT.sub("", code)))
+
+
+def _locals_in(code: str) -> frozenset[str]:
+    """Every name ``code`` declares with ``local`` (at any depth: erring on the safe side)."""
+    return frozenset(name.strip() for names in _LOCAL.findall(_COMMENT.sub("", code)) for name in names.split(","))
+
+
+def _bound_in(code: str) -> frozenset[str]:
+    """The names ``code`` binds itself: its locals, parameters and loop variables."""
+    bound = set(_locals_in(code))
+    for match in _BOUND.finditer(_COMMENT.sub("", code)):
+        bound |= set(_NAME.findall(match.group(1) or match.group(2) or ""))
+    return frozenset(bound)
 
 
 def definitions(library: str) -> list[Definition]:
@@ -111,6 +126,12 @@ def link(library: str, body: str) -> str:
     head, tail = (body[: found.end()], body[found.end() :]) if found else (body, "")
     top = _closure(defs, set(_names_in(head)), set())
     rest = _closure(defs, set(_names_in(tail)), top)
+    # A helper created at the line would see the locals the code above it declares: one that
+    # uses a name the code above redeclares goes first, where the whole library used to be.
+    declared = _locals_in(head)
+    while clash := [index for index in rest if (defs[index].uses - _bound_in(defs[index].text)) & declared]:
+        top |= _closure(defs, set().union(*(defs[index].names for index in clash)), top)
+        rest = _closure(defs, set(_names_in(tail)), top)
 
     def block(indexes: set[int]) -> str:
         return "".join(defs[index].text.rstrip("\n") + "\n\n" for index in sorted(indexes))

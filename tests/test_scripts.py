@@ -76,3 +76,15 @@ def test_record_creates_no_sweep_helper_before_its_delivering_path_returns() -> 
     head, _, rest = load("record").text.partition("-- @helpers")
     assert "sweep" not in defined(head) and "sweep" in defined(rest)
     assert {"replayed_reply", "remember_reply", "now_ms"} <= set(defined(head))
+
+
+def test_a_helper_placed_at_the_marker_is_not_captured_by_a_local_of_the_code_above() -> None:
+    """With the whole library in front, ``outer`` binds the library's ``inner``. Created at the
+    marker, after a top-level ``local inner`` of the script, it would bind that local instead."""
+    import fakeredis
+
+    body = "local inner = 'shadow'\nif ARGV[1] == 'early' then\n  return inner\nend\n-- @helpers\nreturn outer('a,b')\n"
+    client = fakeredis.FakeRedis()
+    assert client.eval(LIBRARY + body, 0, "late") == 2  # the library's inner: find(',') -> 2
+    assert client.eval(link(LIBRARY, body), 0, "late") == 2
+    assert client.eval(link(LIBRARY, body), 0, "early") == b"shadow"
