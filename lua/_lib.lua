@@ -94,10 +94,15 @@ local function drop_if_empty(key, also)
 end
 
 -- Holder of a slot from the rank's live hash, "<lease deadline stamp>|<request id>": the
--- request id and whether its lease still runs (now16: the current time as a stamp).
+-- request id and whether its lease still runs (now16: the current time as a stamp). An entry
+-- of the layout before, "<request id>|<lease deadline stamp>", is read as such (else its
+-- first bytes compare above every stamp: a lease that never ends, held by no request).
 local function parse_holder(value, now16)
   if not value then
     return nil, false
+  end
+  if not find(value, '^%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d|') then
+    return sub(value, 1, -18), sub(value, -16) > now16
   end
   return sub(value, 18), sub(value, 1, 16) > now16
 end

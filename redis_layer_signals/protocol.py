@@ -541,8 +541,12 @@ def encode_task(task: CacheTask) -> str:
 def split_holder(holder: Any) -> tuple[str, int]:
     """A live entry, ``"<lease deadline ms, 16 digits>|<request id>"``, as (request id, deadline).
     The deadline comes first so that record.lua compares whole entries with a time stamp."""
-    deadline, _, request_id = text(holder).partition("|")
-    return request_id, int(deadline)
+    value = text(holder)
+    if value[16:17] != "|" or not value[:16].isdigit():
+        # the layout before the deadline came first: "<request id>|<deadline>"
+        request_id, _, deadline = value.rpartition("|")
+        return request_id, int(deadline)
+    return value[17:], int(value[:16])
 
 
 def decode_task(instance: str, rank: int, slot: int, holder: Any, document: Any, now_ms: int) -> CacheTask | None:
