@@ -27,7 +27,8 @@ _MARKER_LINE = re.compile(rf"^{re.escape(HELPERS_MARKER)}[^\n]*\n", re.MULTILINE
 OPERATIONS = ("record", "register", "finish", "sweep")
 
 _DEFINITION = re.compile(r"^local (?:function (\w+)|([\w, ]+?) =)", re.MULTILINE)
-_COMMENT = re.compile(r"--[^\n]*")
+_COMMENT = re.compile(r"--[^\n]*|'(?:\\.|[^'\\\n])*'|\"(?:\\.|[^\"\\\n])*\"")
+"""Comments and short strings: neither names a helper, and a ``--`` inside a string starts no comment."""
 _NAME = re.compile(r"[A-Za-z_]\w*")
 _LOCAL = re.compile(r"\blocal\s+(?:function\s+)?([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)")
 _BOUND = re.compile(r"\bfunction\b[\w.: ]*\(([\w, .]*)\)|\bfor\s+([\w, ]+?)\s*(?:=|\bin\b)")
@@ -60,18 +61,18 @@ def _lua_dir() -> Traversable:
 
 
 def _names_in(code: str) -> frozenset[str]:
-    return frozenset(_NAME.findall(_COMMENT.sub("", code)))
+    return frozenset(_NAME.findall(_COMMENT.sub(" ", code)))
 
 
 def _locals_in(code: str) -> frozenset[str]:
     """Every name ``code`` declares with ``local`` (at any depth: erring on the safe side)."""
-    return frozenset(name.strip() for names in _LOCAL.findall(_COMMENT.sub("", code)) for name in names.split(","))
+    return frozenset(name.strip() for names in _LOCAL.findall(_COMMENT.sub(" ", code)) for name in names.split(","))
 
 
 def _bound_in(code: str) -> frozenset[str]:
     """The names ``code`` binds itself: its locals, parameters and loop variables."""
     bound = set(_locals_in(code))
-    for match in _BOUND.finditer(_COMMENT.sub("", code)):
+    for match in _BOUND.finditer(_COMMENT.sub(" ", code)):
         bound |= set(_NAME.findall(match.group(1) or match.group(2) or ""))
     return frozenset(bound)
 

@@ -88,3 +88,12 @@ def test_a_helper_placed_at_the_marker_is_not_captured_by_a_local_of_the_code_ab
     assert client.eval(LIBRARY + body, 0, "late") == 2  # the library's inner: find(',') -> 2
     assert client.eval(link(LIBRARY, body), 0, "late") == 2
     assert client.eval(link(LIBRARY, body), 0, "early") == b"shadow"
+
+
+def test_a_double_dash_inside_a_string_starts_no_comment_and_a_string_pulls_nothing_in() -> None:
+    import fakeredis
+
+    body = "local sep = '--' return outer(sep .. ',')\n"
+    assert defined(link(LIBRARY, body)) == ["inner", "outer"]
+    assert fakeredis.FakeRedis().eval(link(LIBRARY, body), 0) == 3
+    assert defined(link(LIBRARY, "return 'unused'\n")) == []
