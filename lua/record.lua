@@ -33,17 +33,18 @@ local now = now_ms(ARGV[1])
 local layer = ARGV[2]
 local at = fmt(now)
 
--- Slots as strings (HMGET wants them), the rest of each entry as the positions around it: its
--- text is cut out only for entries that need it (buffered, or checked against a request id).
+-- Slots as strings (HMGET wants them), the rest of each entry as a position: its text is cut
+-- out only for entries that need it (buffered, or checked against a request id).
 local packed = ARGV[7]
-local slots, tails, stops = {}, {}, {}
+local slots, tails = {}, {}
 local n = 0
-for slot, tail, stop in string.gmatch(packed, '([^,;]*),()[^;]*();') do
+for slot, tail in string.gmatch(packed, '([^,;]*),()[^;]*;') do
   n = n + 1
-  slots[n], tails[n], stops[n] = slot, tail, stop
+  slots[n], tails[n] = slot, tail
 end
 local function tail_of(i)
-  return sub(packed, tails[i], stops[i] - 1)
+  local from = tails[i]
+  return sub(packed, from, find(packed, ';', from, true) - 1)
 end
 
 slots[n + 1] = HASHTABLE_FIELD
@@ -150,7 +151,8 @@ else
     local i = buffered[k]
     local j = index[slots[i]]
     local value = values[j]
-    local rec = marker .. sub(packed, tails[i], stops[i] - 1) .. suffix -- tail_of(i), inline
+    local from = tails[i] -- tail_of(i), inline: this loop runs once per buffered entry
+    local rec = marker .. sub(packed, from, find(packed, ';', from, true) - 1) .. suffix
     if not value then
       values[j] = rec
     else
