@@ -1,6 +1,7 @@
-"""State written by the previous layout (unpadded markers) and the string-compared stamps'
-boundaries: an old marker must read as "no marker", which may make a script sweep sooner,
-never later (a far-future <next due> would leave expired signals unswept and uncounted)."""
+"""State written by the previous layout (unpadded markers, "request_id|deadline" live entries)
+and the string-compared stamps' boundaries: an old marker must read as one that is due, which
+may make a script sweep sooner, never later (a far-future <next due> would leave expired
+signals unswept and uncounted)."""
 
 from __future__ import annotations
 
