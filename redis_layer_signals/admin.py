@@ -12,7 +12,7 @@ from typing import Any
 
 from .buffer import SignalBuffer
 from .keys import KeySpace
-from .protocol import decode_task, pending_records, split_holder, text
+from .replies import decode_task, pending_records, split_holder, text
 
 PURGE_BATCH = 500
 """Keys removed per UNLINK: bounds one command's work on the server."""

@@ -12,8 +12,10 @@ from redis.exceptions import NoScriptError
 
 from . import connection, replication
 from .base import BufferBase
+from .counters import sum_stats
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
-from .protocol import Prepared, ScriptCall, decode_task, parse_pending, sum_stats, text
+from .protocol import Prepared, ScriptCall
+from .replies import decode_task, parse_pending, text
 from .retry import RETRYABLE, Attempts
 
 T = TypeVar("T")

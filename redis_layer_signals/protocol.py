@@ -1,7 +1,8 @@
-"""What each operation sends and how its reply is read, shared by the sync and async buffers.
+"""What each operation sends, shared by the sync and async buffers.
 
 Only the transport differs between :class:`SignalBuffer` and :class:`AsyncSignalBuffer`: both
-validate, build a :class:`Prepared` call here, run it, and hand the reply back to ``parse``.
+validate, build a :class:`Prepared` call here, run it, and hand the reply back to ``parse``,
+which reads it with :mod:`.replies`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import json
 import os
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import fields
-from itertools import repeat
 from typing import Any, Generic, TypeVar
 
 from . import validation
@@ -26,13 +25,15 @@ from .constants import (
 )
 from .errors import InvalidSignal, InvalidTask, SlotOccupied
 from .keys import KeySpace, RankKeys
-from .models import (
-    CacheTask,
-    DropReason,
-    FinishResult,
-    LayerSignal,
-    RecordResult,
-    RegisterResult,
+from .models import CacheTask, FinishResult, RecordResult, RegisterResult
+from .replies import (
+    batch_signals,
+    by_flag,
+    finish_result,
+    record_result,
+    recovery,
+    register_result,
+    split_reply,
 )
 
 T = TypeVar("T")
@@ -91,174 +92,8 @@ def new_token() -> str:
     return f"{_token_bits(64):016x}"
 
 
-def text(value: Any) -> str:
-    """A reply as text, whether the client decodes responses or not (None: empty)."""
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _split(reply: Any) -> tuple[str, int, str]:
-    status, now, payload = (reply.decode() if type(reply) is bytes else text(reply)).split("|", 2)
-    return status, int(now), payload
-
-
 def _ms(seconds: float) -> str:
     return str(max(1, round(seconds * 1000)))
-
-
-def _fills_dict(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether instances of the frozen dataclass ``cls`` may be built by setting ``__dict__``:
-    only while it has exactly these fields, no slots and no ``__post_init__`` (checked once, at
-    import). The result equals the one ``__init__`` builds (equal, hashable, immutable)."""
-    return (
-        tuple(f.name for f in fields(cls)) == names
-        and "__slots__" not in vars(cls)
-        and not hasattr(cls, "__post_init__")
-    )
-
-
-_SIGNAL_FIELDS = ("instance", "rank", "slot", "layer", "tokens", "request_id", "recorded_at_ms")
-_FAST_SIGNALS = _fills_dict(LayerSignal, _SIGNAL_FIELDS)
-_FAST_RESULTS = (
-    _fills_dict(RecordResult, ("delivered", "buffered"))
-    and _fills_dict(RegisterResult, ("task", "recovered", "dropped", "repeated", "replaced"))
-    and _fills_dict(FinishResult, ("removed", "dropped", "fenced"))
-)
-_new = object.__new__
-_setattr = object.__setattr__
-
-
-def _set_dict(obj: object, state: dict[str, Any]) -> None:
-    _setattr(obj, "__dict__", state)
-
-
-_set_signal_dict: Callable[[Any, dict[str, Any]], None] = (
-    vars(LayerSignal)["__dict__"].__set__ if _FAST_SIGNALS else _set_dict
-)
-"""Sets a LayerSignal's ``__dict__``: the class's own descriptor, called directly."""
-
-
-def _signal(state: dict[str, Any]) -> LayerSignal:
-    """A LayerSignal from its fields: ``__dict__`` set directly (a quarter of ``__init__``'s
-    time, which sets each field through ``object.__setattr__``) when :data:`_FAST_SIGNALS`."""
-    if not _FAST_SIGNALS:
-        return LayerSignal(**state)
-    signal: LayerSignal = _new(LayerSignal)
-    _setattr(signal, "__dict__", state)
-    return signal
-
-
-def _prototype(instance: str, rank: int, slot: int, layer: int, at: int) -> dict[str, Any]:
-    """A signal's fields, in declaration order, for a batch's signals to copy and complete:
-    ``dict.copy`` of a same-sized dict and two stores cost half of a 7-entry dict display."""
-    return {
-        "instance": instance,
-        "rank": rank,
-        "slot": slot,
-        "layer": layer,
-        "tokens": 0,
-        "request_id": None,
-        "recorded_at_ms": at,
-    }
-
-
-def _batch_signals(
-    instance: str, rank: int, layer: int, at: int, batch: Sequence[tuple[Any, ...]], rids: bool
-) -> list[LayerSignal]:
-    """One LayerSignal per ``(slot, tokens[, request_id])`` entry, in order; up to 512 per
-    record call. ``rids``: entries may carry a request id (else they are pairs).
-
-    The objects are allocated by one ``map`` and each ``__dict__`` is a copy of one prototype
-    with two or three fields stored: about 30 % less than filling a fresh ``__dict__``."""
-    if not _FAST_SIGNALS:
-        return [LayerSignal(instance, rank, e[0], layer, e[1], e[2] if len(e) > 2 else None, at) for e in batch]
-    if len(batch) == 1:  # the most common batch: no prototype to build and copy
-        entry = batch[0]
-        state = _prototype(instance, rank, entry[0], layer, at)
-        state["tokens"] = entry[1]
-        if rids and len(entry) > 2:
-            state["request_id"] = entry[2]
-        return [_signal(state)]
-    copy = _prototype(instance, rank, 0, layer, at).copy
-    signals: list[LayerSignal] = list(map(_new, repeat(LayerSignal, len(batch))))
-    set_dict = _set_signal_dict
-    if rids:
-        for signal, entry in zip(signals, batch, strict=True):
-            state = copy()
-            state["slot"] = entry[0]
-            state["tokens"] = entry[1]
-            if len(entry) > 2:
-                state["request_id"] = entry[2]
-            set_dict(signal, state)
-    else:
-        for signal, (slot, count) in zip(signals, batch, strict=True):
-            state = copy()
-            state["slot"] = slot
-            state["tokens"] = count
-            set_dict(signal, state)
-    return signals
-
-
-def _by_flag(signals: list[LayerSignal], flags: str) -> tuple[list[LayerSignal], list[LayerSignal]]:
-    """(delivered, buffered): "D" flags the delivered ones, any other flag a buffered one. A
-    batch is often all one or the other, which two C-speed scans detect."""
-    if len(flags) != len(signals):
-        raise ValueError(f"record reply has {len(flags)} flags for {len(signals)} entries")
-    delivered = flags.count("D")
-    if delivered == len(flags):
-        return signals, []
-    if delivered == 0:
-        return [], signals
-    return (
-        [signal for signal, flag in zip(signals, flags, strict=True) if flag == "D"],
-        [signal for signal, flag in zip(signals, flags, strict=True) if flag != "D"],
-    )
-
-
-def split_signals(
-    instance: str, rank: int, layer: int, at: int, batch: Sequence[tuple[Any, ...]], flags: str
-) -> tuple[list[LayerSignal], list[LayerSignal]]:
-    """The batch's signals split by the script's flags (D delivered, B buffered), in order."""
-    return _by_flag(_batch_signals(instance, rank, layer, at, batch, rids=True), flags)
-
-
-def _record_result(delivered: list[LayerSignal], buffered: list[LayerSignal]) -> RecordResult:
-    if not _FAST_RESULTS:
-        return RecordResult(delivered, buffered)
-    result: RecordResult = _new(RecordResult)
-    _setattr(result, "__dict__", {"delivered": delivered, "buffered": buffered})
-    return result
-
-
-_REASONS = {reason.value: reason for reason in DropReason}
-
-
-def recovery(
-    instance: str, rank: int, slot: int, payload: str
-) -> tuple[list[LayerSignal], list[tuple[LayerSignal, DropReason]]]:
-    """register's payload ("layer,tokens,request_id,recorded_at,reason;" per popped signal, in
-    layer order) as recovered signals and dropped ones with their reasons."""
-    recovered: list[LayerSignal] = []
-    dropped: list[tuple[LayerSignal, DropReason]] = []
-    if not payload:
-        return recovered, dropped
-    copy = _prototype(instance, rank, slot, 0, 0).copy
-    for record in payload.split(";"):
-        if not record:
-            continue
-        layer, tokens, rid, at, reason = record.split(",")
-        state = copy()
-        state["layer"] = int(layer)
-        state["tokens"] = int(tokens)
-        state["request_id"] = rid or None
-        state["recorded_at_ms"] = int(at)
-        signal = _signal(state)
-        if reason:
-            dropped.append((signal, _REASONS[reason]))
-        else:
-            recovered.append(signal)
-    return recovered, dropped
 
 
 def plain_batch(raw: Any, max_slots: int) -> list[tuple[int, int]] | None:
@@ -292,23 +127,6 @@ def pack_entries(batch: Sequence[tuple[Any, ...]]) -> str:
     return "".join([f"{slot},{tokens},{rid or ''};" for slot, tokens, rid in batch])
 
 
-def pending_records(instance: str, rank: int, slot: int, packed: str) -> list[tuple[LayerSignal, int]]:
-    """Decode one slot's packed pending records (layout in lua/_lib.lua) as (signal, expiry
-    deadline in ms), ordered by layer. The deadline is per signal: each keeps the TTL it was
-    recorded with."""
-    records = []
-    for record in packed.split(";")[1:]:
-        layer, tokens, rid, at, deadline = record.split(",")
-        signal = LayerSignal(instance, rank, slot, int(layer), int(tokens), rid or None, int(at))
-        records.append((signal, int(deadline)))
-    return sorted(records, key=lambda item: item[0].layer)
-
-
-def parse_pending(instance: str, rank: int, slot: int, packed: str) -> list[LayerSignal]:
-    """One slot's pending signals, ordered by layer."""
-    return [signal for signal, _deadline in pending_records(instance, rank, slot, packed)]
-
-
 class _Record(Prepared[RecordResult]):
     __slots__ = ("batch", "instance", "layer", "rank", "rids")
 
@@ -331,11 +149,11 @@ class _Record(Prepared[RecordResult]):
 
     def parse(self, reply: Any) -> RecordResult:
         if self.call is None:
-            return _record_result([], [])
-        _status, now, flags = _split(reply)
-        signals = _batch_signals(self.instance, self.rank, self.layer, now, self.batch, self.rids)
-        delivered, buffered = _by_flag(signals, flags)
-        return _record_result(delivered, buffered)
+            return record_result([], [])
+        _status, now, flags = split_reply(reply)
+        signals = batch_signals(self.instance, self.rank, self.layer, now, self.batch, self.rids)
+        delivered, buffered = by_flag(signals, flags)
+        return record_result(delivered, buffered)
 
 
 class _Register(Prepared[RegisterResult]):
@@ -347,18 +165,12 @@ class _Register(Prepared[RegisterResult]):
         self.task = task
 
     def parse(self, reply: Any) -> RegisterResult:
-        status, _now, payload = _split(reply)
+        status, _now, payload = split_reply(reply)
         task = self.task
         if status == "occupied":
             raise SlotOccupied(task.instance, task.rank, task.slot, payload, task.request_id)
         recovered, dropped = recovery(task.instance, task.rank, task.slot, payload)
-        repeated, replaced = status == "again", status == "replaced"
-        if not _FAST_RESULTS:
-            return RegisterResult(task, recovered, dropped, repeated=repeated, replaced=replaced)
-        result: RegisterResult = _new(RegisterResult)
-        state = {"task": task, "recovered": recovered, "dropped": dropped, "repeated": repeated, "replaced": replaced}
-        _setattr(result, "__dict__", state)
-        return result
+        return register_result(task, recovered, dropped, repeated=status == "again", replaced=status == "replaced")
 
 
 class _Finish(Prepared[FinishResult]):
@@ -369,12 +181,8 @@ class _Finish(Prepared[FinishResult]):
         self.call = call
 
     def parse(self, reply: Any) -> FinishResult:
-        removed, dropped, fenced = _split(reply)[2].split(",")
-        if not _FAST_RESULTS:
-            return FinishResult(removed=removed == "1", dropped=int(dropped), fenced=fenced == "1")
-        result: FinishResult = _new(FinishResult)
-        _setattr(result, "__dict__", {"removed": removed == "1", "dropped": int(dropped), "fenced": fenced == "1"})
-        return result
+        removed, dropped, fenced = split_reply(reply)[2].split(",")
+        return finish_result(removed == "1", int(dropped), fenced == "1")
 
 
 class Protocol:
@@ -536,69 +344,3 @@ def encode_task(task: CacheTask) -> str:
             "meta": task.meta,
         }
     )
-
-
-def split_holder(holder: Any) -> tuple[str, int]:
-    """A live entry, ``"<lease deadline ms, 16 digits>|<request id>"``, as (request id, deadline).
-    The deadline comes first so that record.lua compares whole entries with a time stamp."""
-    value = text(holder)
-    if value[16:17] != "|" or not value[:16].isdigit():
-        # the layout before the deadline came first: "<request id>|<deadline>"
-        request_id, _, deadline = value.rpartition("|")
-        return request_id, int(deadline)
-    return value[17:], int(value[:16])
-
-
-def decode_task(instance: str, rank: int, slot: int, holder: Any, document: Any, now_ms: int) -> CacheTask | None:
-    """The live task of a slot from its live entry and document, or None when absent or lapsed."""
-    if holder is None or document is None:
-        return None
-    request_id, deadline = split_holder(holder)
-    if deadline <= now_ms:
-        return None
-    doc = json.loads(text(document))
-    if doc["request_id"] != request_id:
-        return None
-    return CacheTask(
-        instance=instance,
-        rank=rank,
-        slot=slot,
-        request_id=request_id,
-        need_prefill_tokens=int(doc["need_prefill_tokens"]),
-        num_layers=int(doc["num_layers"]),
-        decode_cached_tokens=int(doc["decode_cached_tokens"]),
-        meta={str(k): str(v) for k, v in doc["meta"].items()},
-    )
-
-
-def sum_stats(hashes: Sequence[dict[Any, Any]]) -> dict[str, int]:
-    """Add up the per-rank counter hashes into one namespace view, every known counter present."""
-    totals = dict.fromkeys(COUNTERS, 0)
-    for counters in hashes:
-        for name, value in counters.items():
-            key = text(name)
-            totals[key] = totals.get(key, 0) + int(value)
-    # record.lua counts delivered and buffered only: one counter write fewer per call.
-    totals["recorded"] = totals["delivered"] + totals["buffered"]
-    return totals
-
-
-COUNTERS = (
-    "recorded",
-    "delivered",
-    "buffered",
-    "superseded",
-    "registered",
-    "recovered",
-    *(f"dropped_{reason.value}" for reason in DropReason),
-    "finished",
-    "finish_dropped",
-    "fenced",
-    "expired",
-    "occupied",
-    "replaced",
-    "reregistered",
-    "replayed",
-)
-"""Counters a namespace reports. ``buffered`` signals end as recovered, dropped_*,
-finish_dropped, superseded or expired (or are still pending): invariant 1 in numbers."""

@@ -11,7 +11,7 @@ from typing import Protocol
 from ..buffer import SignalBuffer
 from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
-from ..protocol import parse_pending, text
+from ..replies import parse_pending, text
 from .config import Mode, SimConfig
 
 Slot = tuple[str, int, int]

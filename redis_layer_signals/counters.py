@@ -1,0 +1,42 @@
+"""The counters each rank keeps in its ``stats`` hash, and their sum over a namespace."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .models import DropReason
+from .replies import text
+
+
+def sum_stats(hashes: Sequence[dict[Any, Any]]) -> dict[str, int]:
+    """Add up the per-rank counter hashes into one namespace view, every known counter present."""
+    totals = dict.fromkeys(COUNTERS, 0)
+    for counters in hashes:
+        for name, value in counters.items():
+            key = text(name)
+            totals[key] = totals.get(key, 0) + int(value)
+    # record.lua counts delivered and buffered only: one counter write fewer per call.
+    totals["recorded"] = totals["delivered"] + totals["buffered"]
+    return totals
+
+
+COUNTERS = (
+    "recorded",
+    "delivered",
+    "buffered",
+    "superseded",
+    "registered",
+    "recovered",
+    *(f"dropped_{reason.value}" for reason in DropReason),
+    "finished",
+    "finish_dropped",
+    "fenced",
+    "expired",
+    "occupied",
+    "replaced",
+    "reregistered",
+    "replayed",
+)
+"""Counters a namespace reports. ``buffered`` signals end as recovered, dropped_*,
+finish_dropped, superseded or expired (or are still pending): invariant 1 in numbers."""
