@@ -1,8 +1,10 @@
 -- _lib.lua: helpers shared by every operation script.
 --
--- The loader prepends this file to each operation script before it registers the script, so
--- one SHA covers helpers and body. It defines local functions only: no KEYS, no ARGV, no reply,
--- no writes of its own. Every key it touches is handed in by the caller, which got it from KEYS.
+-- The loader (redis_layer_signals/scripts.py) sends each operation script with the definitions
+-- of this file it uses, so one SHA covers helpers and body; each top-level `local` is one
+-- definition, with the comment just above it. It defines locals only: no KEYS, no ARGV, no
+-- reply, no writes of its own. Every key it touches is handed in by the caller, which got it
+-- from KEYS.
 --
 -- Pending signals of one slot live in one field of the rank's pending hash, packed as records
 -- ";layer,tokens,request_id,recorded_at_ms,deadline_ms" in arrival order (request_id empty when
