@@ -35,7 +35,7 @@ def record_vs_elsewhere(
                 for i in range(calls):
                     buf.record(INSTANCE, RANK, i % NUM_LAYERS, [(0, 1000)])
 
-            _, usec = server_time(buf.client, run)
+            usec = server_time(buf.client, run)
             rows.append({"buffered_elsewhere": 511 * layers, "server_us_per_call": usec})
     return rows
 
@@ -54,7 +54,7 @@ def record_into_full_slot(url: str, layers: int = NUM_LAYERS, calls: int = CALLS
             for i in range(calls):
                 buf.record(INSTANCE, RANK, i % layers, [(0, 1000)])
 
-        _, usec = server_time(buf.client, run)
+        usec = server_time(buf.client, run)
         return {"slot_layers": layers, "server_us_per_call": usec}
 
 
@@ -69,7 +69,7 @@ def record_per_entry(url: str, sizes: tuple[int, ...], calls: int = CALLS) -> li
                 for _ in range(calls):
                     buf.record(INSTANCE, RANK, 0, entries)
 
-            _, usec = server_time(buf.client, run)
+            usec = server_time(buf.client, run)
             rows.append({"entries": size, "server_us_per_call": usec, "server_us_per_entry": usec / size})
     return rows
 
@@ -88,6 +88,6 @@ def register_vs_pending(url: str, pending: tuple[int, ...], calls: int = CALLS) 
                         CacheTask(INSTANCE, RANK, slot, f"r{slot}", need_prefill_tokens=4096, num_layers=NUM_LAYERS)
                     )
 
-            _, usec = server_time(buf.client, run)
+            usec = server_time(buf.client, run)
             rows.append({"pending_layers": layers, "server_us_per_call": usec})
     return rows

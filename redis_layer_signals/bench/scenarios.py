@@ -127,7 +127,7 @@ class SyncCases:
             for _ in range(calls):
                 call()
 
-        return server_time(self.client, many)[1]
+        return server_time(self.client, many)
 
     def _cases(
         self, op: str, path: str, size: int, results: dict[str, Summary], server: dict[str, float]
