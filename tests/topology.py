@@ -8,8 +8,6 @@ binary raises (the run fails, it does not skip)."""
 from __future__ import annotations
 
 import contextlib
-import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -154,14 +152,13 @@ def _slot_owner_port(client: redis.Redis, slot: int) -> int:
     raise LookupError(slot)
 
 
-class SentinelProcess:
-    """One ``redis-server --sentinel`` with its own (rewritable) config file."""
+class SentinelProcess(RedisServer):
+    """One ``redis-server --sentinel`` with its own (rewritable) config file, started, killed and
+    cleaned up like any other server of the tests."""
 
     def __init__(self, primary_port: int) -> None:
-        self.binary = require_binary("redis-server")
         require_binary("redis-sentinel")  # the Debian package make servers installs
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="rls-sentinel-")
+        super().__init__(directory=tempfile.mkdtemp(prefix="rls-sentinel-"))
         self.config = Path(self.dir) / "sentinel.conf"
         self.config.write_text(
             "\n".join(
@@ -169,7 +166,7 @@ class SentinelProcess:
                     f"port {self.port}",
                     "bind 127.0.0.1",
                     f"dir {self.dir}",
-                    f"logfile {self.dir}/sentinel.log",
+                    f"logfile {self.logfile}",
                     f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {primary_port} 2",
                     f"sentinel down-after-milliseconds {SENTINEL_SERVICE} {SENTINEL_DOWN_AFTER_MS}",
                     f"sentinel failover-timeout {SENTINEL_SERVICE} {SENTINEL_FAILOVER_TIMEOUT_MS}",
@@ -178,23 +175,12 @@ class SentinelProcess:
                 ]
             )
         )
-        self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> SentinelProcess:
-        self.process = subprocess.Popen(
-            [self.binary, str(self.config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        wait_until(lambda: self.client().ping(), timeout=15, what=f"sentinel on port {self.port}")
-        return self
+    def command(self) -> list[str]:
+        return [self.binary, str(self.config), "--sentinel"]
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True)
-
-    def cleanup(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def client(self, **kwargs: object) -> redis.Redis:
+        return super().client(decode_responses=True, **kwargs)
 
 
 class SentinelTopology:
