@@ -64,7 +64,7 @@ def snapshot(
             continue
         keys = buf.protocol.keys.rank(inst, rk)
         documents = {text(name): doc for name, doc in buf.client.hgetall(keys.tasks).items()}
-        for s, holder in _slot_fields(buf.client.hgetall(keys.live), slot):
+        for s, holder in slot_fields(buf.client.hgetall(keys.live), slot):
             request_id, deadline = split_holder(holder)
             if deadline <= now:
                 continue  # a lapsed lease is no live task
@@ -80,14 +80,14 @@ def snapshot(
                     deadline - now,
                 )
             )
-        for s, packed in _slot_fields(buf.client.hgetall(keys.pending), slot):
+        for s, packed in slot_fields(buf.client.hgetall(keys.pending), slot):
             shot.pending.extend(_pending_rows(inst, rk, s, packed, now))
     shot.tasks.sort(key=lambda t: (t.instance, t.rank, t.slot))
     shot.pending.sort(key=lambda p: (p.instance, p.rank, p.slot, p.layer))
     return shot
 
 
-def _slot_fields(fields: dict[Any, Any], slot: int | None) -> list[tuple[int, str]]:
+def slot_fields(fields: dict[Any, Any], slot: int | None = None) -> list[tuple[int, str]]:
     """The per-slot fields of a live or pending hash as (slot, value), only ``slot``'s when
     given; the other fields are markers the scripts keep in the hash."""
     found = []

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..admin import slot_fields
 from ..buffer import SignalBuffer
 from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
@@ -67,12 +68,11 @@ class RedisHandoff:
 
     def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         keys = self.buffer.protocol.keys.rank(instance, rank)
-        live = [int(text(s)) for s in self.buffer.client.hkeys(keys.live) if text(s).isdigit()]
-        pending = 0
-        for slot_field, packed in self.buffer.client.hgetall(keys.pending).items():
-            if text(slot_field).isdigit():  # other fields are the scripts' markers
-                pending += len(parse_pending(instance, rank, int(text(slot_field)), text(packed)))
-        return sorted(live), pending
+        client = self.buffer.client
+        live = sorted(slot for slot, _holder in slot_fields(client.hgetall(keys.live)))
+        packed_slots = slot_fields(client.hgetall(keys.pending))
+        pending = sum(len(parse_pending(instance, rank, slot, packed)) for slot, packed in packed_slots)
+        return live, pending
 
     def stray_keys(self, instance: str, rank: int) -> list[str]:
         client = self.buffer.client
