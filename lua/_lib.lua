@@ -90,9 +90,7 @@ local function drop_if_empty(key, also)
     else
       redis.call('DEL', key)
     end
-    return true
   end
-  return false
 end
 
 -- Holder of a slot from the rank's live hash, "<lease deadline stamp>|<request id>": the
@@ -122,6 +120,13 @@ local function store_pending(pending_key, expiry_key, slot, packed)
     clear_pending(pending_key, expiry_key, slot)
   else
     redis.call('HSET', pending_key, slot, packed)
+  end
+end
+
+-- Add n to a counter of the rank (nothing to write for 0).
+local function count(stats_key, field, n)
+  if n > 0 then
+    redis.call('HINCRBY', stats_key, field, n)
   end
 end
 
@@ -186,16 +191,30 @@ local function sweep(pending_key, expiry_key, stats_key, now, limit)
     end
   end
   drop_if_empty(pending_key, expiry_key)
-  if expired > 0 then
-    redis.call('HINCRBY', stats_key, 'expired', expired)
-  end
+  count(stats_key, 'expired', expired)
   return expired
 end
 
-local function count(stats_key, field, n)
-  if n > 0 then
-    redis.call('HINCRBY', stats_key, field, n)
+-- The expiry index's earliest score as a stamp, FAR16 when nothing is indexed: what a marker's
+-- <next due> becomes after a sweep.
+local function earliest_due(expiry_key)
+  local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
+  return first[2] and ms16(tonumber(first[2])) or FAR16
+end
+
+-- Whether a key's TTL (and its partners') is due for a refresh, once half the grace beyond the
+-- longest TTL it holds is used, and the marker's new <key expires at>: expires16 is the
+-- marker's (nil when there is none). Under an injected clock a PTTL decides and the marker
+-- keeps zeros.
+local function ttl_refresh(key, expires16, now, injected, key_ttl, ttl)
+  local floor_ttl = key_ttl - math.floor((key_ttl - ttl) / 2)
+  if injected then
+    return redis.call('PTTL', key) < floor_ttl, ZERO16
   end
+  if expires16 ~= nil and expires16 >= ms16(now + floor_ttl) then
+    return false, expires16
+  end
+  return true, ms16(now + key_ttl)
 end
 
 -- The pending hash's marker as stamps {longest, due, expires}, or nil when it has none. A marker
@@ -225,8 +244,7 @@ local function sweep_if_due(pending_key, expiry_key, stats_key, now, now16, limi
     return false
   end
   sweep(pending_key, expiry_key, stats_key, now, limit)
-  local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
-  meta.due = first[2] and ms16(tonumber(first[2])) or FAR16
+  meta.due = earliest_due(expiry_key)
   if redis.call('EXISTS', pending_key) == 1 then
     redis.call('HSET', pending_key, HASHTABLE_FIELD, encode_meta(meta))
   end

@@ -42,10 +42,6 @@ for slot, tail in string.gmatch(packed, '([^,;]*),()[^;]*;') do
   n = n + 1
   slots[n], tails[n] = slot, tail
 end
-local function tail_of(i)
-  local from = tails[i]
-  return sub(packed, from, find(packed, ';', from, true) - 1)
-end
 
 slots[n + 1] = HASHTABLE_FIELD
 local holders = redis.call('HMGET', live_key, unpack(slots))
@@ -66,8 +62,8 @@ for i = 1, n do
   local holder = holders[i]
   local delivered = holder and holder > next16
   if delivered and with_rids then
-    local tail = tail_of(i)
-    local rid = sub(tail, find(tail, ',', 1, true) + 1)
+    local from = tails[i] -- "tokens,request_id" (tokens hold no ',')
+    local rid = sub(packed, find(packed, ',', from, true) + 1, find(packed, ';', from, true) - 1)
     delivered = rid == '' or rid == sub(holder, 18)
   end
   if delivered then
@@ -95,9 +91,7 @@ if nbuffered == 0 then
   -- Only delivering, and something may be due: sweep, then move the live marker on.
   sweep(pending_key, expiry_key, stats_key, now, limit)
   if has_live then
-    local first = redis.call('ZRANGE', expiry_key, 0, 0, 'WITHSCORES')
-    local due = first[2] and ms16(tonumber(first[2])) or FAR16
-    redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or ZERO16, due))
+    redis.call('HSET', live_key, HASHTABLE_FIELD, live_marker(live_expires or ZERO16, earliest_due(expiry_key)))
   end
 else
   local injected = ARGV[1] ~= ''
@@ -121,15 +115,15 @@ else
   end
   order[norder + 1] = nil
   local changed = meta == nil
+  local ttl16 = ms16(ttl)
   if meta == nil then
     -- A hash without a marker is new (or older than markers): index every slot, sweep soon.
     local existed = redis.call('EXISTS', pending_key) == 1
-    meta = {longest = ms16(ttl), due = existed and ZERO16 or FAR16, expires = ZERO16}
+    meta = {longest = ttl16, due = existed and ZERO16 or FAR16, expires = ZERO16}
   end
   -- A slot that holds records has its group indexed no later than its earliest deadline; with
   -- the server's clock and no TTL longer than the rank's longest so far, this record's deadline
   -- is not earlier, so only new slots need a ZADD. An injected clock may go back: always ZADD.
-  local ttl16 = ms16(ttl)
   local all_new = injected or changed or ttl16 > meta.longest
   local marker = ';' .. layer .. ','
   local dl = fmt(deadline)
@@ -151,7 +145,7 @@ else
     local i = buffered[k]
     local j = index[slots[i]]
     local value = values[j]
-    local from = tails[i] -- tail_of(i), inline: this loop runs once per buffered entry
+    local from = tails[i]
     local rec = marker .. sub(packed, from, find(packed, ';', from, true) - 1) .. suffix
     if not value then
       values[j] = rec
@@ -190,20 +184,10 @@ else
   end
   -- The expiry index lives and dies with the pending hash: their TTLs are refreshed together.
   local key_ttl = tonumber(ARGV[4])
-  local floor_ttl = key_ttl - math.floor((key_ttl - ttl) / 2)
-  local refresh
-  if injected then
-    refresh = redis.call('PTTL', pending_key) < floor_ttl
-    if meta.expires ~= ZERO16 then
-      meta.expires = ZERO16
-      changed = true
-    end
-  else
-    refresh = meta.expires < ms16(now + floor_ttl)
-    if refresh then
-      meta.expires = ms16(now + key_ttl)
-      changed = true
-    end
+  local refresh, expires = ttl_refresh(pending_key, meta.expires, now, injected, key_ttl, ttl)
+  if expires ~= meta.expires then
+    meta.expires = expires
+    changed = true
   end
   if changed then
     hset[2 * norder + 1] = HASHTABLE_FIELD

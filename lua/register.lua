@@ -111,7 +111,6 @@ end
 -- live and tasks gain and lose their fields together, so their TTLs are refreshed together,
 -- once half the grace is used: the live marker says when (a PTTL under an injected clock).
 local key_ttl = tonumber(ARGV[11])
-local floor_ttl = key_ttl - math.floor((key_ttl - task_ttl) / 2)
 local hset = {slot, ms16(now + task_ttl) .. '|' .. request_id}
 local live_expires, live_due = read_live_marker(live[2] or nil)
 -- A new marker's next due: the earlier of its own and the pending marker's (a lower bound
@@ -120,17 +119,9 @@ local due = live_due or FAR16
 if meta and meta.due < due then
   due = meta.due
 end
-local refresh
-if ARGV[1] ~= '' then
-  refresh = redis.call('PTTL', live_key) < floor_ttl
-  if live_expires == nil then
-    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(ZERO16, due)
-  end
-else
-  refresh = live_expires == nil or live_expires < ms16(now + floor_ttl)
-  if refresh then
-    hset[3], hset[4] = HASHTABLE_FIELD, live_marker(ms16(now + key_ttl), due)
-  end
+local refresh, expires = ttl_refresh(live_key, live_expires, now, ARGV[1] ~= '', key_ttl, task_ttl)
+if expires ~= live_expires then
+  hset[3], hset[4] = HASHTABLE_FIELD, live_marker(expires, due)
 end
 redis.call('HSET', live_key, unpack(hset))
 redis.call('HSET', tasks_key, slot, ARGV[6], slot .. ':recovery', payload)
