@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..buffer import SignalBuffer
 from .bridge import DEFAULT_BLOCK_SIZE, Layer0Bridge
-from .reference import STOP, ReferenceMessager, run_adder_process
+from .reference import STOP, QueueLike, ReferenceMessager, run_adder_process
 from .scripted import PrefillRequest, RecordingTransport, ScriptedGpu
 
 ORDERS = ("early", "late", "racy")
@@ -59,11 +59,12 @@ def drive(
     plans: list[Plan],
     gpu: ScriptedGpu,
     seed: int,
-    send_task: Callable[[PrefillRequest], None],
+    adder_inbox: QueueLike,
     await_registered: Callable[[str], None],
     await_consumed: Callable[[], None],
 ) -> None:
-    """Run every chunk and send every task in a seeded interleaving that honours each order."""
+    """Run every chunk and send every task (both ``cache_info`` halves, on ``adder_inbox``) in a
+    seeded interleaving that honours each order."""
     rng = random.Random(seed)
     cursor = {p.request.slot: 0 for p in plans}
     active = list(plans)
@@ -71,7 +72,8 @@ def drive(
     def send(plan: Plan) -> None:
         if plan.order == "early":
             await_consumed()  # its early chunks are buffered before the task can see them
-        send_task(plan.request)
+        adder_inbox.put(plan.request.prefill_half())
+        adder_inbox.put(plan.request.decode_half())
         plan.task_sent = True
         if plan.order == "late":
             await_registered(plan.request.request_id)
@@ -172,10 +174,9 @@ def run(
                 args = (url, namespace, INSTANCE, RANK, layers, DEFAULT_BLOCK_SIZE, inbox, ready, registered)
                 adder = context.Process(target=run_adder_process, args=args, daemon=True)
                 adder.start()
-                send_task, await_registered = _remote_adder(inbox, registered, timeout_s)
-            else:
-                send_task, await_registered = _local_adder(messager, await_consumed)
-            drive(plans, gpu, seed, send_task, await_registered, await_consumed)
+                drive(plans, gpu, seed, inbox, _await_registered(registered, timeout_s), await_consumed)
+            else:  # the adder is a thread of the messager: drained means registered
+                drive(plans, gpu, seed, messager.cache_infos, lambda _request_id: await_consumed(), await_consumed)
             finished = messager.wait_finished({p.request.request_id for p in plans}, timeout_s)
             if adder is not None:
                 inbox.put(STOP)
@@ -197,24 +198,9 @@ def run(
         buffer.close()
 
 
-def _local_adder(
-    messager: ReferenceMessager, await_consumed: Callable[[], None]
-) -> tuple[Callable[[PrefillRequest], None], Callable[[str], None]]:
-    def send_task(request: PrefillRequest) -> None:
-        messager.cache_infos.put(request.prefill_half())
-        messager.cache_infos.put(request.decode_half())
-
-    return send_task, lambda _request_id: await_consumed()
-
-
-def _remote_adder(
-    inbox: multiprocessing.Queue[object], registered: multiprocessing.Queue[str], timeout_s: float
-) -> tuple[Callable[[PrefillRequest], None], Callable[[str], None]]:
+def _await_registered(registered: multiprocessing.Queue[str], timeout_s: float) -> Callable[[str], None]:
+    """Wait until the adder process reports ``request_id`` registered."""
     seen: set[str] = set()
-
-    def send_task(request: PrefillRequest) -> None:
-        inbox.put(request.prefill_half())
-        inbox.put(request.decode_half())
 
     def await_registered(request_id: str) -> None:
         while request_id not in seen:
@@ -223,4 +209,4 @@ def _remote_adder(
             except queue.Empty:
                 raise TimeoutError(f"the adder process did not register {request_id} within {timeout_s}s") from None
 
-    return send_task, await_registered
+    return await_registered
