@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from redis_layer_signals import CacheTask, SignalBuffer
 from redis_layer_signals.bench.server import LocalRedis
+from redis_layer_signals.bench.timing import summarize
 
 AOF_ALWAYS = ["--appendonly", "yes", "--appendfsync", "always"]
 NO_PERSISTENCE = ["--appendonly", "no"]
@@ -50,9 +51,8 @@ def measure(url: str, wait_replicas: int, operation: str, batch: int, calls: int
             buf.register(CacheTask("p0", 0, slot, f"r{i}", 4096, 61), replace=True)
         samples.append(time.perf_counter_ns() - started)
     buf.close()
-    samples.sort()
-    total_s = sum(samples) / 1e9
-    return samples[len(samples) // 2] / 1000, samples[int(len(samples) * 0.99)] / 1000, calls / total_s
+    summary = summarize(samples, 1, sum(samples) / 1e9)
+    return summary.p50_us, summary.p99_us, summary.throughput
 
 
 def main() -> None:
