@@ -31,7 +31,6 @@ class Sender:
         self.sent: dict[tuple[str, int, int], int] = {}  # (request, layer, chunk) -> times sent
         self.remaining = {rid: ctx.config.layers * len(chunks) for rid, chunks in self.chunks.items()}
         self.prefilled: dict[str, float] = {}
-        self.slot_of: dict[str, int] = {}
         self.resolved: dict[str, str] = {}  # request -> completed | hung | aborted
 
     def run(self) -> None:
@@ -84,7 +83,6 @@ class Sender:
             return
         ctx.handoff.learn(task)
         self.tasks[task.slot] = task
-        self.slot_of[task.request_id] = task.slot
         with ctx.lock:
             ctx.registered.add(task.request_id)
         ctx.wakeup.set()
@@ -119,7 +117,7 @@ class Sender:
     # -- ends of a request ------------------------------------------------------------------
 
     def complete(self, request: Request) -> None:
-        slot = self.slot_of[request.request_id]
+        slot = self.ctx.slots[request.request_id]
         result = self.ctx.handoff.finish(self.ctx.instance, self.ctx.rank, slot, request.request_id)
         if not result.removed or result.fenced or result.dropped:
             self.ctx.violation(f"finish {request.request_id}: {result}")
@@ -146,7 +144,7 @@ class Sender:
             if rid in self.resolved or now - at < self.ctx.config.hang_timeout_s:
                 continue
             # The decode side gives up: clean the slot so the rank goes on, and count the hang.
-            slot = self.slot_of.get(rid, self.ctx.slots[rid])
+            slot = self.ctx.slots[rid]
             result = self.ctx.handoff.finish(self.ctx.instance, self.ctx.rank, slot, rid)
             self.ctx.count("finish_dropped", result.dropped)
             self.resolve(rid, "hung", slot)
