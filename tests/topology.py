@@ -262,9 +262,7 @@ class SentinelTopology:
             )
         finally:
             client.close()
-        wait_until(lambda: self.current_primary_port() != old, timeout=30, what="the sentinels promoting the replica")
-        wait_until(self.primary_agreed, timeout=30, what="the promoted replica answering as primary")
-        return self.current_primary_port()
+        return self.wait_for_new_primary(old).port
 
     def settle(self) -> None:
         """Bring the group back to one primary and one synced replica, as the sentinels would.
@@ -308,7 +306,8 @@ class SentinelTopology:
         return len(ports) == 1 and role(self.current_primary()) == "master"
 
     def wait_for_new_primary(self, old_port: int) -> RedisServer:
-        """After the primary died: wait until the sentinels promoted the replica."""
+        """After the primary died or a failover was asked for: wait until the sentinels promoted
+        the replica and it answers as primary."""
         wait_until(lambda: self.current_primary_port() != old_port, timeout=30, what="sentinels promoting the replica")
         wait_until(self.primary_agreed, timeout=30, what="the promoted replica answering as primary")
         return self.current_primary()
