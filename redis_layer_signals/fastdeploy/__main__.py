@@ -4,18 +4,17 @@ and say whether anything was lost; exits 1 if so. Needs the ``paddle`` extra."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import uuid
 from collections.abc import Sequence
 
-from ..constants import DEFAULT_URL, ENV_PREFIX
+from ..config import BufferConfig
 from .workload import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m redis_layer_signals.fastdeploy", description=__doc__)
-    parser.add_argument("--url", default=os.environ.get(f"{ENV_PREFIX}REDIS_URL", DEFAULT_URL))
+    parser.add_argument("--url", default=None, help="default: RLS_REDIS_URL, then memory://")
     parser.add_argument("--namespace", default=None, help="default: a fresh one per run")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
@@ -25,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     namespace = args.namespace or f"fastdeploy-{uuid.uuid4().hex[:8]}"
     outcome = run(
-        args.url,
+        args.url or BufferConfig.resolve().url,
         namespace,
         requests=args.requests,
         seed=args.seed,
