@@ -223,8 +223,7 @@ class Protocol:
 
     def record(self, instance: Any, rank: Any, layer: Any, entries: Iterable[Any]) -> Prepared[RecordResult]:
         keys = self.rank_keys(instance, rank, InvalidSignal)
-        if type(layer) is not int or not 0 <= layer < MAX_INT:
-            validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
+        validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
         batch: Sequence[tuple[Any, ...]] | None = plain_batch(entries, self.config.max_slots)
         triples = batch is None  # else a plain batch of (slot, tokens) pairs
         with_rids = "0"
@@ -238,7 +237,7 @@ class Protocol:
             "record",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                "" if self.clock is None else str(int(self.clock())),
+                self._now(),
                 str(layer),
                 self._pending_ttl,
                 self._pending_key_ttl,
@@ -252,37 +251,29 @@ class Protocol:
 
     # -- register --------------------------------------------------------------------------
 
-    def validate_task(self, task: Any) -> CacheTask:
-        """``task`` once every field is checked. Plain ints in range skip the full check, which
-        would only confirm them."""
+    def task_keys(self, task: Any) -> RankKeys:
+        """The keys of ``task``'s rank once every field of the task is checked."""
         if not isinstance(task, CacheTask):
             raise InvalidTask("task", task, "must be a CacheTask")
-        self.rank_keys(task.instance, task.rank, InvalidTask)
-        slot, max_slots = task.slot, self.config.max_slots
-        if type(slot) is not int or not 0 <= slot < max_slots:
-            validation.slot(slot, max_slots, InvalidTask)
+        keys = self.rank_keys(task.instance, task.rank, InvalidTask)
+        validation.slot(task.slot, self.config.max_slots, InvalidTask)
         validation.identifier(task.request_id, "request_id", InvalidTask)
-        need, layers, cached = task.need_prefill_tokens, task.num_layers, task.decode_cached_tokens
-        if type(need) is not int or not 0 <= need < MAX_INT:
-            validation.integer(need, "need_prefill_tokens", InvalidTask, 0, MAX_INT)
-        if type(layers) is not int or not 1 <= layers < MAX_INT:
-            validation.integer(layers, "num_layers", InvalidTask, 1, MAX_INT)
-        if type(cached) is not int or not 0 <= cached < MAX_INT:
-            validation.integer(cached, "decode_cached_tokens", InvalidTask, 0, MAX_INT)
+        validation.integer(task.need_prefill_tokens, "need_prefill_tokens", InvalidTask, 0, MAX_INT)
+        validation.integer(task.num_layers, "num_layers", InvalidTask, 1, MAX_INT)
+        validation.integer(task.decode_cached_tokens, "decode_cached_tokens", InvalidTask, 0, MAX_INT)
         if type(task.meta) is not dict or task.meta:  # an empty dict is valid meta
             validation.meta(task.meta)
-        return task
+        return keys
 
     def register(self, task: Any, replace: bool = False) -> Prepared[RegisterResult]:
-        task = self.validate_task(task)
+        keys = self.task_keys(task)
         if not isinstance(replace, bool):
             raise InvalidTask("replace", replace, "must be a bool")
-        keys = self.rank_keys(task.instance, task.rank, InvalidTask)
         call = ScriptCall(
             "register",
             [keys.live, keys.tasks, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                "" if self.clock is None else str(int(self.clock())),
+                self._now(),
                 str(task.slot),
                 task.request_id,
                 str(task.need_prefill_tokens),
@@ -300,16 +291,13 @@ class Protocol:
     # -- finish ----------------------------------------------------------------------------
 
     def finish(self, instance: Any, rank: Any, slot: Any, request_id: Any) -> Prepared[FinishResult]:
-        keys = self.rank_keys(instance, rank, InvalidTask)
-        max_slots = self.config.max_slots
-        if type(slot) is not int or not 0 <= slot < max_slots:
-            validation.slot(slot, max_slots, InvalidTask)
+        keys = self.slot_keys(instance, rank, slot)
         validation.identifier(request_id, "request_id", InvalidTask)
         call = ScriptCall(
             "finish",
             [keys.live, keys.tasks, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                "" if self.clock is None else str(int(self.clock())),
+                self._now(),
                 str(slot),
                 request_id,
                 self._reply_ttl,
