@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Any
 
 from .. import validation
+from ..connection import MEMORY, scheme_of
 from ..constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from ..errors import InvalidConfig
 
@@ -82,7 +83,7 @@ class SimConfig:
     @property
     def in_process(self) -> bool:
         """memory:// lives in this process only, so the run uses threads instead of processes."""
-        return self.url.split("://", 1)[0].lower() == "memory"
+        return scheme_of(self.url) == MEMORY
 
     def instance_names(self) -> list[str]:
         return [f"p{i}" for i in range(self.instances)]
