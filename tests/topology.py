@@ -109,8 +109,7 @@ class ClusterTopology:
     def healthy(self) -> bool:
         """Every live node reports cluster_state:ok and sees the expected primaries and replicas."""
         for node in self.live_nodes():
-            client = node.client()
-            try:
+            with node.client() as client:
                 info = client.cluster("info")
                 if info.get("cluster_state") != "ok":
                     return False
@@ -118,8 +117,6 @@ class ClusterTopology:
                 primaries = [n for n in roles if "master" in n["flags"] and n["slots"]]
                 if len(primaries) != self.primaries:
                     return False
-            finally:
-                client.close()
         return self.replicas == 0 or all(
             int(replication(p)["connected_slaves"]) >= self.replicas for p in self.primary_nodes()
         )
@@ -132,12 +129,9 @@ class ClusterTopology:
 
     def node_for_key(self, key: str) -> RedisServer:
         """The primary that serves ``key``'s slot now, as the cluster itself reports it."""
-        client = self.primary_nodes()[0].client()
-        try:
+        with self.primary_nodes()[0].client() as client:
             slot = int(client.cluster("keyslot", key))
             port = _slot_owner_port(client, slot)
-        finally:
-            client.close()
         return next(n for n in self.nodes if n.port == port)
 
     def cleanup(self) -> None:
@@ -210,12 +204,9 @@ class SentinelTopology:
         return self
 
     def current_primary_port(self) -> int:
-        client = self.sentinels[0].client()
-        try:
+        with self.sentinels[0].client() as client:
             _host, port = client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
             return int(port)
-        finally:
-            client.close()
 
     def current_primary(self) -> RedisServer:
         port = self.current_primary_port()
@@ -233,8 +224,7 @@ class SentinelTopology:
         """Every sentinel names the same primary, knows one healthy replica and two other sentinels."""
         port = self.current_primary_port()
         for sentinel in self.sentinels:
-            client = sentinel.client()
-            try:
+            with sentinel.client() as client:
                 state = client.sentinel_master(SENTINEL_SERVICE)
                 replicas = client.sentinel_slaves(SENTINEL_SERVICE)
                 if int(state["port"]) != port or int(state["num-other-sentinels"]) < 2:
@@ -246,22 +236,17 @@ class SentinelTopology:
                 ]
                 if len(healthy) < 1:
                     return False
-            finally:
-                client.close()
         return True
 
     def failover(self) -> int:
         """``SENTINEL FAILOVER`` and wait until the old replica is the primary; returns its port."""
         old = self.current_primary_port()
-        client = self.sentinels[0].client()
-        try:
+        with self.sentinels[0].client() as client:
             wait_until(
                 lambda: client.execute_command("SENTINEL", "FAILOVER", SENTINEL_SERVICE),
                 timeout=15,
                 what="sentinel accepting the failover",
             )
-        finally:
-            client.close()
         return self.wait_for_new_primary(old).port
 
     def settle(self) -> None:
@@ -277,17 +262,11 @@ class SentinelTopology:
         if replica.process is None or replica.process.poll() is not None:
             replica.start()
         if role(replica) == "master":
-            client = replica.client()
-            try:
+            with replica.client() as client:
                 client.replicaof("127.0.0.1", primary.port)
-            finally:
-                client.close()
         for server in self.servers:
-            client = server.client()
-            try:
+            with server.client() as client:
                 client.config_set("min-replicas-to-write", 0)
-            finally:
-                client.close()
         wait_until(lambda: self.replica_synced(replica), timeout=30, what="replica re-attached")
         wait_until(self.sentinels_agree, timeout=30, what="sentinels settled")
 
@@ -295,14 +274,11 @@ class SentinelTopology:
         """Every sentinel names the same primary, which answers as one: no failover in progress."""
         ports = set()
         for sentinel in self.sentinels:
-            client = sentinel.client()
-            try:
+            with sentinel.client() as client:
                 state = client.sentinel_master(SENTINEL_SERVICE)
                 if "failover" in str(state["flags"]) or "down" in str(state["flags"]):
                     return False
                 ports.add(int(state["port"]))
-            finally:
-                client.close()
         return len(ports) == 1 and role(self.current_primary()) == "master"
 
     def wait_for_new_primary(self, old_port: int) -> RedisServer:
