@@ -15,6 +15,7 @@ import pytest
 from redis_layer_signals import InvalidSignal
 from redis_layer_signals.fastdeploy import KV_SIGNAL_LENGTH, KvSignal, decode_kv_signal
 from redis_layer_signals.fastdeploy.scripted import ScriptedGpu, load_paddle
+from redis_layer_signals.fastdeploy.signals import KV_SIGNAL_HEADER, encode_kv_signal
 
 paddle = load_paddle()
 
@@ -140,3 +141,17 @@ def test_decode_and_bridge_work_without_paddle_installed() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] KvSignal(layer=0, entries=((5, 8),))"
+
+
+def test_only_layer_skips_other_layers_after_their_header() -> None:
+    later = encode_kv_signal(3, [(5, 0, 128)])
+    assert decode_kv_signal(later, only_layer=0) is None
+    assert decode_kv_signal(later, only_layer=3) == decode_kv_signal(later)
+    later[KV_SIGNAL_HEADER] = -7  # a bad engine_idx in a layer nobody asked for is not read
+    assert decode_kv_signal(later, only_layer=0) is None
+    with pytest.raises(InvalidSignal):
+        decode_kv_signal(later)
+    broken_header = encode_kv_signal(3, [(5, 0, 128)])
+    broken_header[1] = -1  # the header is still checked for every layer
+    with pytest.raises(InvalidSignal):
+        decode_kv_signal(broken_header, only_layer=0)

@@ -134,8 +134,12 @@ class Layer0Bridge:
 
 def layer0_entries(kv_signal_data: Any) -> Batch:
     """The ``(slot, prefilled_tokens)`` entries of a layer-0 message (raw or decoded); ``[]``
-    for an empty read or a later layer. A list, the batch shape ``record`` checks fastest."""
-    signal = kv_signal_data if isinstance(kv_signal_data, KvSignal) else decode_kv_signal(kv_signal_data)
+    for an empty read or a later layer, whose entries are not decoded (this runs once per layer
+    and chunk). A list, the batch shape ``record`` checks fastest."""
+    if isinstance(kv_signal_data, KvSignal):
+        signal: KvSignal | None = kv_signal_data
+    else:
+        signal = decode_kv_signal(kv_signal_data, only_layer=SIGNAL_LAYER)
     if signal is None or signal.layer != SIGNAL_LAYER:
         return []
     return list(signal.entries)

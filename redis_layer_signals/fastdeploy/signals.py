@@ -41,11 +41,13 @@ class KvSignal:
     entries: tuple[tuple[int, int], ...]
 
 
-def decode_kv_signal(kv_signal_data: Any) -> KvSignal | None:
+def decode_kv_signal(kv_signal_data: Any, only_layer: int | None = None) -> KvSignal | None:
     """Turn a ``kv_signal_data`` tensor or array into a :class:`KvSignal`; None if it is empty.
 
     ``prefilled_tokens`` is ``chunk_token_offset + current_seq_len``, summed in 64 bits so it
-    cannot wrap. Anything malformed raises :class:`InvalidSignal` naming the field.
+    cannot wrap. Anything malformed raises :class:`InvalidSignal` naming the field. With
+    ``only_layer``, a message of another layer is None once its header is checked: a caller
+    that wants one layer of the ~61 the engine reports skips decoding the rest's entries.
     """
     values = _as_int32_vector(kv_signal_data)
     if values.shape[0] < KV_SIGNAL_HEADER:
@@ -61,6 +63,8 @@ def decode_kv_signal(kv_signal_data: Any) -> KvSignal | None:
     layer = int(values[1])
     if layer < 0:
         raise InvalidSignal("layer_id", layer, "must be >= 0")
+    if only_layer is not None and layer != only_layer:
+        return None
     # Checked and summed as whole columns (int64, so the sum cannot wrap): a full message of
     # 512 entries decodes in tens of microseconds, and this runs for every layer.
     rows = values[KV_SIGNAL_HEADER:needed].reshape(count, KV_SIGNAL_ENTRY_WIDTH).astype(np.int64)
