@@ -20,6 +20,7 @@ from ..buffer import SignalBuffer
 from ..models import CacheTask
 from . import names
 from .baselines import Floor, NaiveRedisBuffer
+from .scenarios import entries_of
 
 INSTANCE = "contend"
 RANK = 0
@@ -28,13 +29,9 @@ BARRIER_TIMEOUT_S = 60.0
 RESULT_TIMEOUT_S = 120.0
 
 
-def _entries(batch: int) -> list[tuple[int, int]]:
-    return [(slot, 2048 + slot) for slot in range(batch)]
-
-
 def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barrier: Any, results: Any) -> None:
     """One contending process: count calls for ``duration_s`` after everyone is ready."""
-    entries = _entries(batch)
+    entries = entries_of(batch)
     client = redis.Redis.from_url(url)
     calls = 0
     conflicts = 0
@@ -79,7 +76,7 @@ def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barri
 def _prepare(kind: str, url: str, name: str, batch: int) -> None:
     """Give the odd slots of the batch a live task, so calls both deliver and buffer (a batch
     of one only buffers, which is where WATCH conflicts)."""
-    live = [slot for slot, _ in _entries(batch)][1::2]
+    live = list(range(batch))[1::2]
     if kind == "ours":
         buf = SignalBuffer.from_url(url, namespace=name, env={})
         for slot in live:

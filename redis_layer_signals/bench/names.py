@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..buffer import SignalBuffer
+from ..constants import KEY_PREFIX
 
 RUN_ID = uuid.uuid4().hex[:8]
 NAMESPACE_PREFIX = f"bench-{RUN_ID}-"
@@ -46,7 +47,7 @@ def scratch_buffer(url: str, namespace: str, instance: str, rank: int, **options
 def cleanup(client: Any) -> int:
     """Remove every key this run wrote (SCAN by the run's prefixes); returns how many."""
     removed = 0
-    for pattern in (f"rls:{{{NAMESPACE_PREFIX}*", f"{NAIVE_PREFIX}:{{{NAMESPACE_PREFIX}*"):
+    for pattern in (f"{KEY_PREFIX}:{{{NAMESPACE_PREFIX}*", f"{NAIVE_PREFIX}:{{{NAMESPACE_PREFIX}*"):
         batch: list[Any] = []
         for key in client.scan_iter(match=pattern, count=1000):
             batch.append(key)
