@@ -5,14 +5,13 @@ binaries exist, and a missing binary fails the test run instead of skipping."""
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
 
 from redis_layer_signals.bench.server import REDIS_SERVER, LocalRedis, free_port
 
-__all__ = ["REDIS_SERVER", "RedisServer", "free_port", "is_machine_redis", "require_binary", "running", "wait_until"]
+__all__ = ["REDIS_SERVER", "RedisServer", "free_port", "require_binary", "running", "wait_until"]
 
 
 def require_binary(name: str) -> str:
@@ -51,8 +50,3 @@ def running(args: Sequence[str] = ()) -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
-
-
-def is_machine_redis(port: int) -> bool:
-    """The machine's own Redis listens on 6379: tests never use or flush it."""
-    return port == 6379 or os.environ.get("RLS_TEST_ALLOW_6379") == "1"
