@@ -44,8 +44,6 @@ def run_ranks(
         else:
             ctx.reply_to = inbox_key(config.namespace, instance, r, run_id)
         contexts.append(ctx)
-    for ctx in contexts:
-        ctx.counts["requests"] = len(ctx.requests)
     before = {ctx.rank: handoff.counters(instance, ctx.rank) for ctx in contexts}
     senders = [Sender(ctx) for ctx in contexts]
     workers, forwarders = [], []

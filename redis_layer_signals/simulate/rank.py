@@ -38,6 +38,7 @@ class RankContext:
     reply_to: str = ""  # the Redis list the registrar answers on (empty: in-process queues)
 
     def __post_init__(self) -> None:
+        self.counts["requests"] = len(self.requests)
         for slot in range(self.config.batch):
             self.free.put(slot)
 
