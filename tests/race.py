@@ -25,6 +25,13 @@ class Log:
     occupied: int = 0
 
 
+def ended(stats: dict[str, int]) -> int:
+    """Buffered signals that have ended somewhere, by a namespace's counters: recovered, dropped
+    with a reason, superseded, finish_dropped or expired (invariant 1: buffered = ended + pending)."""
+    total = stats["recovered"] + stats["superseded"] + stats["finish_dropped"] + stats["expired"]
+    return total + sum(v for k, v in stats.items() if k.startswith("dropped_"))
+
+
 class Worker:
     """One worker's random operations on the shared slots of p0/0, every outcome logged."""
 

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from redis_layer_signals import CacheTask, SignalBuffer, SlotOccupied
 from redis_layer_signals.protocol import ScriptCall
 from tests.model import Model
+from tests.race import ended
 from tests.servers import RedisServer
 
 SLOTS = st.integers(0, 3)
@@ -145,9 +146,7 @@ class BufferMachine(RuleBasedStateMachine):
         for name, value in self.model.stats.items():
             assert stats[name] == value, name
         still_pending = sum(len(layers) for layers in self.model.pending.values())
-        ended = stats["recovered"] + stats["superseded"] + stats["finish_dropped"] + stats["expired"]
-        ended += sum(v for k, v in stats.items() if k.startswith("dropped_"))
-        assert stats["buffered"] == ended + still_pending
+        assert stats["buffered"] == ended(stats) + still_pending
         assert stats["recorded"] == stats["delivered"] + stats["buffered"]
 
     def teardown(self) -> None:

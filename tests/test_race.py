@@ -9,7 +9,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from redis_layer_signals import SignalBuffer
-from tests.race import SLOTS, Log, work
+from tests.race import SLOTS, Log, ended, work
 from tests.servers import RedisServer
 
 WORKERS = 8
@@ -49,9 +49,7 @@ def assert_every_signal_accounted_once(logs: list[Log], buf: SignalBuffer) -> No
     assert stats["finish_dropped"] == sum(log.finish_dropped for log in logs)
     assert stats["registered"] == sum(log.registered for log in logs)
     # Never none: each buffered signal ended somewhere, counted or visible.
-    ended = stats["recovered"] + stats["superseded"] + stats["finish_dropped"] + stats["expired"]
-    ended += sum(v for k, v in stats.items() if k.startswith("dropped_"))
-    assert len(buffered) == ended + len(still_pending)
+    assert len(buffered) == ended(stats) + len(still_pending)
 
 
 def test_eight_processes_racing_on_real_redis_account_for_every_signal_once(redis_server: RedisServer) -> None:

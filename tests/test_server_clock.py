@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from redis_layer_signals import CacheTask, SignalBuffer, SlotOccupied
+from tests.race import ended
 from tests.servers import RedisServer
 
 SLOTS = st.integers(0, 19)  # spans several expiry groups
@@ -80,9 +81,7 @@ class ServerClockMachine(RuleBasedStateMachine):
         assert [s for s, n in Counter(self.handed_out + pending).items() if n > 1] == []
         assert set(pending) <= self.buffered
         stats = self.buf.stats(sweep=False)
-        ended = stats["recovered"] + stats["superseded"] + stats["finish_dropped"] + stats["expired"]
-        ended += sum(v for k, v in stats.items() if k.startswith("dropped_"))
-        assert stats["buffered"] == len(self.buffered) == ended + len(pending)
+        assert stats["buffered"] == len(self.buffered) == ended(stats) + len(pending)
         assert stats["recorded"] == len(self.recorded)
 
     def teardown(self) -> None:
