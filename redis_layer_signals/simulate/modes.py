@@ -80,7 +80,8 @@ class RedisHandoff:
         stray = []
         for raw in client.scan_iter(match=f"{KEY_PREFIX}:{tag}:*", count=1000):
             key = text(raw)
-            if key.endswith(":stats") or (":reply:" in key and int(client.pttl(key)) > 0):
+            # PTTL -1: no TTL, left for good; -2: the reply key expired since SCAN listed it.
+            if key.endswith(":stats") or (":reply:" in key and int(client.pttl(key)) != -1):
                 continue
             stray.append(key)
         return stray
