@@ -385,12 +385,10 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code: Any = command.main(args=argv, prog_name="rls", standalone_mode=False)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         _fail("interrupted", 130)
     except _PARSER_ERROR as exc:
         _fail(getattr(exc, "format_message", exc.__str__)(), int(getattr(exc, "exit_code", EXIT_USAGE)))
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
     except (SignalBufferError, RedisError, ValueError, OSError) as exc:
         _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
     sys.exit(code if isinstance(code, int) else 0)
