@@ -28,6 +28,12 @@ class BufferBase:
         """Builds the client for a URL and a retry budget (see :mod:`.connection`)."""
         raise NotImplementedError
 
+    @staticmethod
+    def direct_calls(client: Any) -> Any:
+        """The transport that sends packed calls past the client's per-command machinery, or
+        None to use the client's own methods (see :mod:`.wire`)."""
+        return None
+
     def __init__(
         self,
         client: Any,
@@ -59,6 +65,7 @@ class BufferBase:
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
         self._scripts = all_scripts()
+        self._direct = self.direct_calls(client)
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:

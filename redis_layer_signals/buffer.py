@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError
 
-from . import connection, replication
+from . import connection, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
@@ -32,6 +32,10 @@ class SignalBuffer(BufferBase):
     @staticmethod
     def make_client(url: str, retry_s: float) -> Any:
         return connection.sync_client(url, retry_s)
+
+    @staticmethod
+    def direct_calls(client: Any) -> wire.DirectCalls | None:
+        return wire.DirectCalls(client) if wire.supports(client) else None
 
     # -- the three operations --------------------------------------------------------------
 
@@ -105,6 +109,8 @@ class SignalBuffer(BufferBase):
         return sum_stats([self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         self.client.close()
 
     def __enter__(self) -> SignalBuffer:
@@ -118,11 +124,17 @@ class SignalBuffer(BufferBase):
     def _run_script(self, call: ScriptCall) -> Any:
         """One EVALSHA; on NOSCRIPT (restart, failover, SCRIPT FLUSH) load the text and resend."""
         script = self._scripts[call.script]
+        direct = self._direct
+        send: Callable[[], Any]
+        if direct is not None:
+            send = partial(direct.run, wire.evalsha(script.sha, call.keys, call.args))
+        else:
+            send = partial(self.client.evalsha, script.sha, len(call.keys), *call.keys, *call.args)
         try:
-            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return send()
         except NoScriptError:
             self.client.script_load(script.text)
-            return self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return send()
 
     def _retrying(self, operation: str, action: Callable[[], T]) -> T:
         """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from redis_layer_signals import CacheTask, DropReason, SignalBuffer, SlotOccupied
+from redis_layer_signals.protocol import ScriptCall
 from tests.race import ended
 
 
@@ -203,22 +204,22 @@ def test_buffers_of_one_url_share_state(url: str, namespace: str, buf: SignalBuf
 
 def test_empty_batch_needs_no_round_trip(buf: SignalBuffer) -> None:
     calls = []
-    buf.client.evalsha = lambda *a, **k: calls.append(a)  # type: ignore[method-assign]
+    buf._run_script = calls.append  # type: ignore[method-assign,assignment]
     res = buf.record("p0", 0, 0, [])
     assert res.delivered == [] and res.buffered == [] and calls == []
 
 
 def test_full_batch_of_512_is_one_script_run(buf: SignalBuffer) -> None:
-    real = buf.client.evalsha
+    real = buf._run_script
     calls = []
 
-    def counting(*args: object) -> object:
-        calls.append(args[0])
-        return real(*args)
+    def counting(call: ScriptCall) -> object:
+        calls.append(call.script)
+        return real(call)
 
-    buf.client.evalsha = counting  # type: ignore[method-assign]
+    buf._run_script = counting  # type: ignore[method-assign]
     buf.register(task(slot=0))
-    buf.record("p0", 0, 1, [(0, 1)])  # loads the script (NOSCRIPT, then EVALSHA again)
+    buf.record("p0", 0, 1, [(0, 1)])
     calls.clear()
     res = buf.record("p0", 0, 0, [(slot, slot + 1) for slot in range(512)])
     assert len(calls) == 1
