@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError
 
-from . import connection, replication
+from . import connection, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
@@ -27,6 +27,10 @@ class AsyncSignalBuffer(BufferBase):
     @staticmethod
     def make_client(url: str, retry_s: float) -> Any:
         return connection.async_client(url, retry_s)
+
+    @staticmethod
+    def direct_calls(client: Any) -> wire.AsyncDirectCalls | None:
+        return wire.AsyncDirectCalls(client) if wire.supports_async(client) else None
 
     async def record(self, instance: str, rank: int, layer: int, entries: Iterable[Any]) -> RecordResult:
         return await self._execute(self.protocol.record(instance, rank, layer, entries))
@@ -84,6 +88,8 @@ class AsyncSignalBuffer(BufferBase):
         return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
 
     async def close(self) -> None:
+        if self._direct is not None:
+            await self._direct.close()
         await self.client.aclose()
 
     async def __aenter__(self) -> AsyncSignalBuffer:
@@ -93,12 +99,19 @@ class AsyncSignalBuffer(BufferBase):
         await self.close()
 
     async def _run_script(self, call: ScriptCall) -> Any:
+        """One EVALSHA; on NOSCRIPT (restart, failover, SCRIPT FLUSH) load the text and resend."""
         script = self._scripts[call.script]
+        direct = self._direct
+        send: Callable[[], Awaitable[Any]]
+        if direct is not None:
+            send = partial(direct.run, wire.evalsha(script.sha, call.keys, call.args))
+        else:
+            send = partial(self.client.evalsha, script.sha, len(call.keys), *call.keys, *call.args)
         try:
-            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return await send()
         except NoScriptError:
             await self.client.script_load(script.text)
-            return await self.client.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            return await send()
 
     async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]]) -> T:
         """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""

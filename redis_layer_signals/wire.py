@@ -14,6 +14,10 @@ TLS, authentication, the reply parser, and turning socket failures into ``Connec
 closed and handed back to the pool, so one kept here is always idle and clean, and a new
 checkout connects as the client would.
 Other clients (Cluster, fakeredis, client-side caching, RESP3) keep the ordinary path.
+
+``redis.asyncio`` clients get the same treatment (:class:`AsyncDirectCalls`): there a task
+cancelled between sending and reading leaves its reply on the socket, so cancellation, too,
+closes the connection rather than keeping it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+import redis.asyncio
 from hiredis import pack_command
 from redis.exceptions import ResponseError
 
@@ -50,15 +55,53 @@ def supports(client: Any) -> bool:
     """Whether ``client`` is a plain redis-py client whose connections may be used directly."""
     if type(client) is not redis.Redis:
         return False
-    pool = client.connection_pool
-    if getattr(pool, "cache", None) is not None or getattr(client, "_single_connection_client", False):
+    return _plain_pool(client.connection_pool, getattr(client, "_single_connection_client", False))
+
+
+def supports_async(client: Any) -> bool:
+    """:func:`supports` for ``redis.asyncio`` clients (fakeredis and Cluster are other types)."""
+    if type(client) is not redis.asyncio.Redis:
+        return False
+    return _plain_pool(client.connection_pool, client.single_connection_client)
+
+
+def _plain_pool(pool: Any, single_connection: bool) -> bool:
+    """A pool whose connections carry nothing but our replies: no client-side cache to keep in
+    step, no one connection shared with the client's own commands, no RESP3."""
+    if getattr(pool, "cache", None) is not None or single_connection:
         return False
     # RESP3 connections may receive push messages (client tracking, maintenance notices)
     # between replies; those stay with redis-py's command path.
     return pool.connection_kwargs.get("protocol") in (None, 2, "2")
 
 
-class DirectCalls:
+class _KeptConnections:
+    """What both transports keep: the client's pool, the idle connections borrowed from it,
+    and the fork generation they belong to."""
+
+    def __init__(self, client: Any) -> None:
+        self._pool = client.connection_pool
+        self._idle: list[Any] = []
+        self._generation = _generation
+        # Kept idle connections count as in use for the pool. At most half its size are kept,
+        # so they never starve the client's own commands (SCRIPT LOAD, reads, WAIT): redis.asyncio
+        # pools hold 100 connections by default, and a burst of calls may borrow them all.
+        self._keep_limit = self._pool.max_connections // 2
+
+    def _kept(self) -> list[Any]:
+        """This process's idle connections (a forked child starts with none)."""
+        if self._generation != _generation:
+            self._forget_parent()
+        return self._idle
+
+    def _forget_parent(self) -> None:
+        """In a forked child: drop the parent's connections without closing them (closing
+        would shut the parent's sockets); the pool makes fresh ones for this process."""
+        self._idle = []
+        self._generation = _generation
+
+
+class DirectCalls(_KeptConnections):
     """Packed commands on connections borrowed from ``client``'s pool and kept.
 
     Thread-safe: ``list.pop`` and ``list.append`` are atomic, so each connection serves one
@@ -66,17 +109,10 @@ class DirectCalls:
     the pool's own ``max_connections``).
     """
 
-    def __init__(self, client: Any) -> None:
-        self._pool = client.connection_pool
-        self._idle: list[Any] = []
-        self._generation = _generation
-
     def run(self, packed: bytes) -> Any:
         """Send one packed command and return its reply; error replies are raised as redis-py
         raises them (``NoScriptError``, ``ResponseError``...)."""
-        if self._generation != _generation:
-            self._forget_parent()
-        idle = self._idle
+        idle = self._kept()
         try:
             connection = idle.pop()
         except IndexError:
@@ -96,16 +132,51 @@ class DirectCalls:
         idle.append(connection)
         return reply
 
-    def _forget_parent(self) -> None:
-        """In a forked child: drop the parent's connections without closing them (closing
-        would shut the parent's sockets); the pool makes fresh ones for this process."""
-        self._idle = []
-        self._generation = _generation
-
     def close(self) -> None:
         """Give the kept connections back to the pool (the client's ``close`` disconnects them)."""
-        if self._generation != _generation:
-            self._forget_parent()
-        idle, self._idle = self._idle, []
+        idle, self._idle = self._kept(), []
         for connection in idle:
             self._pool.release(connection)
+
+
+class AsyncDirectCalls(_KeptConnections):
+    """:class:`DirectCalls` on a ``redis.asyncio`` client's pool.
+
+    A task takes a connection off the idle list before its first ``await`` and puts it back
+    only after reading the whole reply, so concurrent tasks never share one; a task that finds
+    none idle borrows one more from the pool.
+    """
+
+    async def run(self, packed: bytes) -> Any:
+        """Send one packed command and return its reply; error replies are raised as
+        redis.asyncio raises them (``NoScriptError``, ``ResponseError``...)."""
+        idle = self._kept()
+        connection = idle.pop() if idle else await self._pool.get_connection()
+        try:
+            await connection.send_packed_command((packed,), check_health=False)
+            reply = await connection.read_response()
+        except ResponseError:
+            await self._put_back(idle, connection)  # a whole error reply was read: it is clean
+            raise
+        except BaseException:
+            # Also on CancelledError: a task cancelled after sending leaves its reply unread on
+            # the socket, where the next call would take it for its own. Closed and handed back,
+            # the connection reconnects on its next checkout (Sentinel: asking the sentinels).
+            await connection.disconnect()
+            await self._pool.release(connection)
+            raise
+        await self._put_back(idle, connection)
+        return reply
+
+    async def _put_back(self, idle: list[Any], connection: Any) -> None:
+        """Keep a clean connection for the next call, or return it to the pool past the limit."""
+        if len(idle) < self._keep_limit:
+            idle.append(connection)
+        else:
+            await self._pool.release(connection)
+
+    async def close(self) -> None:
+        """Give the kept connections back to the pool (the client's ``aclose`` disconnects them)."""
+        idle, self._idle = self._kept(), []
+        for connection in idle:
+            await self._pool.release(connection)
