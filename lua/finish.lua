@@ -9,7 +9,7 @@
 -- ARGV[1] now_ms (empty: server TIME)   ARGV[2] slot   ARGV[3] request_id
 -- ARGV[4] reply_ttl_ms                  ARGV[5] sweep limit
 --
--- Reply: "ok|<now_ms>|<removed>,<dropped>,<fenced>" (removed and fenced are 0 or 1).
+-- Reply: "ok|<now>|<removed>,<dropped>,<fenced>" (removed and fenced are 0 or 1).
 --
 -- Guarantees: when another live request holds the slot nothing changes (fenced), so a late
 -- finish never touches the next request's task or signals. Otherwise the task (if it is this
@@ -36,7 +36,7 @@ local reply
 local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now16)
 if alive and holder ~= request_id then
   redis.call('HINCRBY', stats_key, 'fenced', 1)
-  reply = 'ok|' .. fmt(now) .. '|0,0,1'
+  reply = 'ok|' .. now16 .. '|0,0,1'
 else
   local removed = 0
   if holder == request_id then
@@ -59,7 +59,7 @@ else
     store_pending(pending_key, expiry_key, slot, table.concat(kept))
     redis.call('HINCRBY', stats_key, 'finish_dropped', dropped)
   end
-  reply = 'ok|' .. fmt(now) .. '|' .. removed .. ',' .. dropped .. ',0'
+  reply = 'ok|' .. now16 .. '|' .. removed .. ',' .. dropped .. ',0'
 end
 
 return remember_reply(reply_key, reply, ARGV[4])

@@ -11,8 +11,9 @@
 -- ARGV[7] entries, packed "slot,tokens,request_id;" (request_id empty when unknown)
 -- ARGV[8] "1" when some entry carries a request id, else "0"
 --
--- Reply: "ok|<now_ms>|<flags>", one flag per entry in order: D delivered (the slot has a live
--- task of this request, or of any request when the signal carries none), B buffered.
+-- Reply: "ok|<now>|<flags>", one flag per entry in order: D delivered (the slot has a live
+-- task of this request, or of any request when the signal carries none), B buffered. <now> is
+-- the time used, in ms as a 16-digit stamp (leading zeros), as in every script's reply.
 --
 -- Guarantees: the liveness check and the buffering happen in this one script, so a signal is
 -- either delivered here or buffered, never both and never neither. A resend with the same
@@ -31,7 +32,6 @@ end
 
 local now = now_ms(ARGV[1])
 local layer = ARGV[2]
-local at = fmt(now)
 
 -- Slots as strings (HMGET wants them), the rest of each entry as a position: its text is cut
 -- out only for entries that need it (buffered, or checked against a request id).
@@ -50,26 +50,23 @@ local has_live = holders[n + 1] ~= false
 local live_expires, live_due = read_live_marker(holders[n + 1] or nil)
 
 -- Delivered when the slot's lease runs and the entry names no request or the holder's; request
--- ids are only looked at when sent. A holder starts with its deadline stamp, so comparing the
--- whole value with the stamp of now + 1 ms is "deadline > now" without cutting it out: an
--- equal stamp loses to the longer holder, a later one wins.
-local now16, next16 = ms16(now), ms16(now + 1)
+-- ids are only looked at when sent. A holder is "<deadline stamp>|<request id>", so comparing
+-- the whole value with now's stamp followed by '~' (above '|') is "deadline > now" without
+-- cutting it out: an equal stamp loses at its '|', a later one wins on its digits.
+local now16 = ms16(now)
+local after16 = now16 .. '~'
 local with_rids = ARGV[8] == '1'
-local flags = {}
 local buffered = {}
 local nbuffered = 0
 for i = 1, n do
   local holder = holders[i]
-  local delivered = holder and holder > next16
+  local delivered = holder and holder > after16
   if delivered and with_rids then
     local from = tails[i] -- "tokens,request_id" (tokens hold no ',')
     local rid = sub(packed, find(packed, ',', from, true) + 1, find(packed, ';', from, true) - 1)
     delivered = rid == '' or rid == sub(holder, 18)
   end
-  if delivered then
-    flags[i] = 'D'
-  else
-    flags[i] = 'B'
+  if not delivered then
     nbuffered = nbuffered + 1
     buffered[nbuffered] = i
   end
@@ -78,11 +75,12 @@ end
 -- The common path ends here: every entry delivered and, by the live marker, nothing due.
 if nbuffered == 0 and live_due ~= nil and live_due > now16 then
   count(stats_key, 'delivered', n)
-  return remember_reply(reply_key, 'ok|' .. at .. '|' .. table.concat(flags), ARGV[5])
+  return remember_reply(reply_key, 'ok|' .. now16 .. '|' .. string.rep('D', n), ARGV[5])
 end
 
 -- @helpers: the library helpers only the code below uses are created here (see scripts.py).
 
+local at = fmt(now)
 local ttl = tonumber(ARGV[3])
 local deadline = now + ttl
 local superseded = 0
@@ -212,4 +210,18 @@ count(stats_key, 'delivered', n - nbuffered)
 count(stats_key, 'buffered', nbuffered)
 count(stats_key, 'superseded', superseded)
 
-return remember_reply(reply_key, 'ok|' .. at .. '|' .. table.concat(flags), ARGV[5])
+-- Flags: one per entry, D unless its index is in buffered.
+local flags
+if nbuffered == n then
+  flags = string.rep('B', n)
+else
+  local each = {}
+  for i = 1, n do
+    each[i] = 'D'
+  end
+  for k = 1, nbuffered do
+    each[buffered[k]] = 'B'
+  end
+  flags = table.concat(each)
+end
+return remember_reply(reply_key, 'ok|' .. now16 .. '|' .. flags, ARGV[5])

@@ -11,7 +11,7 @@
 -- ARGV[7] task_ttl_ms                   ARGV[8] reply_ttl_ms    ARGV[9] replace ("1" or "0")
 -- ARGV[10] sweep limit                  ARGV[11] live/tasks key TTL in ms (task_ttl + grace)
 --
--- Reply: "<status>|<now_ms>|<payload>"
+-- Reply: "<status>|<now>|<payload>"
 --   ok       payload = popped signals sorted by layer, "layer,tokens,request_id,recorded_at,reason;"
 --            with reason empty for a recovered signal
 --   again    the same request already holds the slot: payload is its first recovery, unchanged
@@ -49,12 +49,12 @@ end
 
 if alive and holder == request_id then
   redis.call('HINCRBY', stats_key, 'reregistered', 1)
-  return reply_with('again|' .. fmt(now) .. '|' .. (redis.call('HGET', tasks_key, slot .. ':recovery') or ''))
+  return reply_with('again|' .. now16 .. '|' .. (redis.call('HGET', tasks_key, slot .. ':recovery') or ''))
 end
 if alive then
   if ARGV[9] ~= '1' then
     redis.call('HINCRBY', stats_key, 'occupied', 1)
-    return reply_with('occupied|' .. fmt(now) .. '|' .. holder)
+    return reply_with('occupied|' .. now16 .. '|' .. holder)
   end
   status = 'replaced'
   redis.call('HINCRBY', stats_key, 'replaced', 1)
@@ -136,4 +136,4 @@ for reason, n in pairs(dropped) do
   count(stats_key, 'dropped_' .. reason, n)
 end
 
-return reply_with(status .. '|' .. fmt(now) .. '|' .. payload)
+return reply_with(status .. '|' .. now16 .. '|' .. payload)
