@@ -10,13 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from redis_layer_signals.bench import BenchConfig, names, run
+from redis_layer_signals.bench.baselines import Floor, FloorDirect
+from redis_layer_signals.bench.commandstats import EVALSHA
 from redis_layer_signals.bench.report import TARGETS, check, markdown
 from redis_layer_signals.bench.runner import write
 from tests.servers import RedisServer
 
-IMPLS = {"ours", "floor", "naive", "dict"}
+IMPLS = {"ours", "floor", "floor_direct", "naive", "dict"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,8 @@ def test_every_case_is_measured_for_every_implementation(result: dict[str, Any])
             for c in result["latency"]
             if c["op"] == "register" and c["mode"] == "sync" and c["path"] == pending
         } == IMPLS
+    assert {c["impl"] for c in result["latency"] if c["op"] == "finish" and c["mode"] == "sync"} == IMPLS
+    assert {c["impl"] for c in result["latency"] if c["op"] == "finish" and c["mode"] == "async"} == {"ours", "floor"}
     for case in result["latency"]:
         assert case["calls"] > 0 and 0 < case["p50_us"] <= case["p99_us"], case
         assert case["throughput"] > 0
@@ -78,15 +83,89 @@ def test_ratios_are_computed_from_the_measured_medians(result: dict[str, Any]) -
     assert result["ratios"]["register.2.ours/floor"] == pytest.approx(register["p50_us"] / register_floor["p50_us"])
 
 
+def test_ratios_against_the_direct_floor_are_computed_from_the_measured_percentiles(result: dict[str, Any]) -> None:
+    values = result["ratios"]
+    for name, match in (
+        ("record.buffered.1", {"op": "record", "path": "buffered", "size": 1}),
+        ("record.delivered.3", {"op": "record", "path": "delivered", "size": 3}),
+        ("register.2", {"op": "register", "path": "2"}),
+        ("finish", {"op": "finish"}),
+    ):
+        ours = _case(result, mode="sync", impl="ours", **match)
+        direct = _case(result, mode="sync", impl="floor_direct", **match)
+        assert values[f"{name}.ours/floor_direct"] == pytest.approx(ours["p50_us"] / direct["p50_us"])
+        assert values[f"{name}.ours/floor_direct.p99"] == pytest.approx(ours["p99_us"] / direct["p99_us"])
+    assert not [name for name in values if name.startswith("async.") and "floor_direct" in name]
+
+
+def test_the_direct_floor_has_its_own_table_and_keeps_the_targets(result: dict[str, Any]) -> None:
+    assert [row["name"] for row in result["targets"]] == [name for name, _, _ in TARGETS]
+    targets = [name for name, _, _ in TARGETS if name.endswith("ours/floor")]
+    assert [row["target"] for row in result["reference"]] == targets
+    text = markdown(result)
+    heading = "## Against the floor sent the same way (reference, not a target)"
+    assert text.index("## Targets") < text.index(heading) < text.index("## Latency")
+    section = text[text.index(heading) : text.index("## Latency")]
+    assert result["ratios"]["contention.ours/floor_direct"] > 0
+    for row in result["reference"]:
+        assert row["name"] == row["target"] + "_direct"
+        assert row["value"] == result["ratios"].get(row["name"])
+        assert row["floor"] == result["ratios"].get(row["target"])
+        shown = ["-" if value is None else f"{value:,.2f}" for value in (row["value"], row["floor"])]
+        assert f"| {row['target'].removesuffix('.ours/floor')} | {shown[0]} | {shown[1]} |" in section
+    # The latency table's ours/impl column covers the new rows too.
+    ours = _case(result, mode="sync", op="finish", impl="ours")
+    direct = _case(result, mode="sync", op="finish", impl="floor_direct")
+    row = next(line for line in text.splitlines() if line.startswith("| sync | finish | - | 0 | floor_direct |"))
+    assert row.endswith(f"| {ours['p50_us'] / direct['p50_us']:,.2f} |")
+
+
+def _evalsha_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get(EVALSHA, {}).get("calls", 0))
+
+
+def test_the_direct_floor_runs_the_no_op_script_without_redis_py_s_command_path(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = redis_server.client()
+    floor = FloorDirect(client, names.floor_key())
+    try:
+        assert floor.sha == Floor(client, names.floor_key()).sha
+        before = _evalsha_calls(client)
+
+        def refuse(*args: object, **options: object) -> object:
+            raise AssertionError("the direct floor went through execute_command")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(client, "execute_command", refuse)
+            replies = [floor.call(Floor.flat([(slot, 2048 + slot) for slot in range(4)])) for _ in range(5)]
+        after = _evalsha_calls(client)
+    finally:
+        floor.close()
+        client.close()
+    assert replies == [1] * 5
+    assert after - before == 5
+
+
+def test_the_direct_floor_refuses_a_client_the_buffer_would_not_send_directly(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url, protocol=3)
+    try:
+        with pytest.raises(TypeError):
+            FloorDirect(client, names.floor_key())
+    finally:
+        client.close()
+
+
 def test_contention_throughput_ratios_come_from_the_worker_counts(result: dict[str, Any]) -> None:
     rows = {row["impl"]: row for row in result["contention"]}
-    assert set(rows) == {"ours", "naive", "floor"}
+    assert set(rows) == {"ours", "naive", "floor", "floor_direct"}
     for row in rows.values():
         assert row["processes"] == 2 and row["calls"] > 0
         assert row["throughput"] == pytest.approx(row["calls"] * row["batch"] / row["elapsed_s"])
-    assert result["ratios"]["contention.ours/naive"] == pytest.approx(
-        rows["ours"]["throughput"] / rows["naive"]["throughput"]
-    )
+    for other in ("naive", "floor", "floor_direct"):
+        assert result["ratios"][f"contention.ours/{other}"] == pytest.approx(
+            rows["ours"]["throughput"] / rows[other]["throughput"]
+        )
 
 
 def test_server_cost_and_memory_are_reported(result: dict[str, Any]) -> None:
@@ -130,7 +209,10 @@ def test_check_marks_a_missed_limit_and_an_unmeasured_one() -> None:
 
 def test_written_outputs_are_json_markdown_and_png(result: dict[str, Any], tmp_path: Path) -> None:
     paths = write(result, tmp_path)
-    assert json.loads(paths[0].read_text())["ratios"] == result["ratios"]
+    written = json.loads(paths[0].read_text())
+    assert written["ratios"] == result["ratios"] and "contention.ours/floor_direct" in written["ratios"]
+    assert written["reference"] == result["reference"]
+    assert {case["impl"] for case in written["latency"]} >= {"floor_direct"}
     text = paths[1].read_text()
     assert text == markdown(result) and "| target | measured | limit | met |" in text
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

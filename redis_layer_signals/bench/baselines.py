@@ -5,6 +5,8 @@
     version without Lua, optimistic WATCH/MULTI/EXEC retried on conflict. (c) :class:`Floor`:
     EVALSHA of a script that only returns, one key, the entries as ARGV (two integers each): the
     least any Redis design must send. (d) ``redis-benchmark`` lives in :mod:`.external`.
+(c') :class:`FloorDirect`: the same call sent the way the sync buffer sends its own scripts
+    (:mod:`..wire`), a reference for what our Lua costs once redis-py's per-command path is gone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 import redis
 from redis.exceptions import WatchError
+
+from .. import wire
 
 FLOOR_SCRIPT = "return 1"
 """Does nothing: what is left is the round trip, redis-py and the Lua call itself."""
@@ -151,6 +155,28 @@ class Floor:
 
     def call(self, args: Sequence[int]) -> Any:
         return self.client.evalsha(self.sha, 1, self.key, *args)
+
+    def close(self) -> None:
+        """Nothing is kept beyond the client's own pool."""
+
+
+class FloorDirect(Floor):
+    """:class:`Floor` sent as the sync buffer sends its scripts: a hiredis-packed EVALSHA on a
+    kept pool connection. The floor of the issue goes through redis-py's ``execute_command``,
+    which ours now skips; this one skips it too, so ours/floor_direct is what our scripts cost."""
+
+    def __init__(self, client: Any, key: str) -> None:
+        if not wire.supports(client):
+            raise TypeError(f"{type(client).__name__} with these options is not sent directly; no direct floor")
+        super().__init__(client, key)
+        self._direct = wire.DirectCalls(client)
+
+    def call(self, args: Sequence[int]) -> Any:
+        return self._direct.run(wire.evalsha(self.sha, [self.key], [str(arg) for arg in args]))
+
+    def close(self) -> None:
+        """Hand the kept connections back to the client's pool."""
+        self._direct.close()
 
 
 class AsyncFloor:

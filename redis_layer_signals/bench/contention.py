@@ -5,7 +5,8 @@ Each worker process opens its own client, waits at a barrier, then calls ``recor
 its time is up: the early layer-0 signal FastDeploy buffers, newest wins, so the buffer keeps
 one signal per slot (what a slot holding many layers costs is in :mod:`.scaling`). Ours is
 one atomic script per call; the naive version retries its WATCH transaction on every
-conflict; the floor sends the same entries to a script that does nothing.
+conflict; the floor sends the same entries to a script that does nothing, through redis-py
+(``floor``) or packed on a kept connection as the buffer sends its own (``floor_direct``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any
 
 import redis
 
+from .. import wire
 from ..buffer import SignalBuffer
 from ..models import CacheTask
 from . import names
-from .baselines import Floor, NaiveRedisBuffer
+from .baselines import Floor, FloorDirect, NaiveRedisBuffer
 from .scenarios import entries_of
 
 INSTANCE = "contend"
@@ -27,6 +29,13 @@ RANK = 0
 NUM_LAYERS = 61
 BARRIER_TIMEOUT_S = 60.0
 RESULT_TIMEOUT_S = 120.0
+KINDS = ("ours", "naive", "floor", "floor_direct")
+
+
+def kinds(client: Any) -> tuple[str, ...]:
+    """The contenders for a server reached like ``client``: the direct floor only where the
+    buffer itself sends directly (elsewhere it would measure a path ours does not take)."""
+    return KINDS if wire.supports(client) else tuple(kind for kind in KINDS if kind != "floor_direct")
 
 
 def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barrier: Any, results: Any) -> None:
@@ -48,8 +57,8 @@ def _worker(kind: str, url: str, name: str, batch: int, duration_s: float, barri
             def step() -> None:
                 naive.record(0, entries)
 
-        elif kind == "floor":
-            floor = Floor(client, name)
+        elif kind in ("floor", "floor_direct"):
+            floor = Floor(client, name) if kind == "floor" else FloorDirect(client, name)
             args = Floor.flat(entries)
 
             def step() -> None:

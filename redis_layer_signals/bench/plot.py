@@ -9,6 +9,7 @@ from typing import Any
 IMPLS = (
     ("ours", "redis-layer-signals", "tab:blue"),
     ("floor", "floor: EVALSHA of a no-op", "tab:green"),
+    ("floor_direct", "floor sent directly (packed, kept connection)", "tab:olive"),
     ("naive", "naive WATCH/MULTI", "tab:purple"),
 )
 

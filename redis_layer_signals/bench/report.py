@@ -20,6 +20,10 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
 )
 """The performance targets, each checked against a ratio computed from this run's numbers."""
 
+FLOORS = ("floor", "floor_direct")
+"""The issue's floor (EVALSHA through redis-py) and the same call sent as the buffer sends its own."""
+DIRECT_SUFFIX = "_direct"
+
 
 def _find(cases: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
     for case in cases:
@@ -44,12 +48,12 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
             name = "finish"
         if mode == "async":
             name = f"async.{name}"
-        for other in ("floor", "naive", "dict"):
+        for other in (*FLOORS, "naive", "dict"):
             base = _find(cases, mode=mode, op=op, path=path, size=size, impl=other)
             if base is not None and base["p50_us"] > 0:
                 out[f"{name}.ours/{other}"] = case["p50_us"] / base["p50_us"]
-                if other == "floor":
-                    out[f"{name}.ours/floor.p99"] = case["p99_us"] / base["p99_us"]
+                if other in FLOORS:
+                    out[f"{name}.ours/{other}.p99"] = case["p99_us"] / base["p99_us"]
     contention = result.get("contention", [])
     by = {(row["impl"], row["batch"]): row for row in contention}
     batches = sorted({row["batch"] for row in contention})
@@ -57,13 +61,13 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
         ours = by.get(("ours", batch))
         if ours is None:
             continue
-        for other in ("naive", "floor"):
+        for other in ("naive", *FLOORS):
             base = by.get((other, batch))
             if base is not None and base["throughput"] > 0:
                 out[f"contention.{batch}.ours/{other}"] = ours["throughput"] / base["throughput"]
     if batches:
         # The headline contention ratios: the worst over the measured batch sizes.
-        for other in ("naive", "floor"):
+        for other in ("naive", *FLOORS):
             values = [out[f"contention.{b}.ours/{other}"] for b in batches if f"contention.{b}.ours/{other}" in out]
             if values:
                 out[f"contention.ours/{other}"] = min(values)
@@ -82,12 +86,43 @@ def check(values: dict[str, float]) -> list[dict[str, Any]]:
     return rows
 
 
+def reference(values: dict[str, float]) -> list[dict[str, Any]]:
+    """For each target against the floor, the same ratio against ``floor_direct``: what our
+    scripts cost over the least possible call sent the way ours is sent. Not a target."""
+    rows = []
+    for name, _, _ in TARGETS:
+        if name.endswith("ours/floor"):
+            direct = name + DIRECT_SUFFIX
+            rows.append({"name": direct, "target": name, "value": values.get(direct), "floor": values.get(name)})
+    return rows
+
+
 def _fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:,.{digits}f}"
     return str(value)
+
+
+def _reference_table(values: dict[str, float]) -> list[str]:
+    lines = [
+        "",
+        "## Against the floor sent the same way (reference, not a target)",
+        "",
+        "The floor above is the issue's: EVALSHA of a no-op sent through redis-py's command path. "
+        "The sync buffer sends its scripts packed on kept connections and skips that path; "
+        "`floor_direct` sends the same no-op the same way, so these ratios show what our scripts "
+        "cost over the least possible call (p50 latency; contention: throughput).",
+        "",
+        "| case | ours/floor_direct | ours/floor |",
+        "|---|---:|---:|",
+    ]
+    for row in reference(values):
+        lines.append(
+            f"| {row['target'].removesuffix('.ours/floor')} | {_fmt(row['value'], 2)} | {_fmt(row['floor'], 2)} |"
+        )
+    return lines
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -107,6 +142,7 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["targets"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[row["met"]]
         lines.append(f"| {row['name']} | {_fmt(row['value'], 2)} | {row['comparison']} {row['limit']:g} | {met} |")
+    lines += _reference_table(result["ratios"])
     lines += [
         "",
         "## Latency, one client (p50 / p99 in µs; throughput in signals/s)",

@@ -73,7 +73,7 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
             row
             for batch in config.contention_batches
             for row in contention.contend_interleaved(
-                ("ours", "naive", "floor"), url, config.processes, batch, config.duration_s, config.rounds
+                contention.kinds(client), url, config.processes, batch, config.duration_s, config.rounds
             )
         ]
         namespace = names.namespace("mem")
@@ -116,6 +116,7 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
     values = report.ratios(result)
     result["ratios"] = values
     result["targets"] = report.check(values)
+    result["reference"] = report.reference(values)
     return result
 
 

@@ -6,7 +6,8 @@ ratios hold on a noisy machine. ``record`` is timed on two paths: ``buffered`` (
 the early signal is stored; the same layer again on each call, so the buffer holds one signal
 per slot as FastDeploy's fix does) and ``delivered`` (the slots' tasks are live). ``register``
 is timed with 0, 1 or 61 pending layers waiting in its slot, ``finish`` on a registered slot.
-The floor of every case sends the case's entries (one for register and finish).
+The floor of every case sends the case's entries (one for register and finish); in the sync
+cases a second floor, ``floor_direct``, sends the same call the way the buffer sends its own.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 
 import redis
 
+from .. import wire
 from ..aio import AsyncSignalBuffer
 from ..buffer import SignalBuffer
 from ..models import CacheTask
 from . import names
-from .baselines import AsyncFloor, Floor, LocalDictBuffer, NaiveRedisBuffer
+from .baselines import AsyncFloor, Floor, FloorDirect, LocalDictBuffer, NaiveRedisBuffer
 from .commandstats import server_time
 from .timing import Summary, measure_interleaved, measure_interleaved_async
 
@@ -42,7 +44,7 @@ class Case:
     op: str  # "record", "register", "finish"
     path: str  # record: "buffered"/"delivered"; register: pending layers; finish: "-"
     size: int  # entries per record call, or pending layers for register
-    impl: str  # "ours", "floor", "naive", "dict"
+    impl: str  # "ours", "floor", "floor_direct", "naive", "dict"
     summary: Summary
     server_us: float | None = None  # EVALSHA time on the server per call (ours and floor)
 
@@ -108,10 +110,22 @@ class SyncCases:
         self.warmup = warmup
         self.client = redis.Redis.from_url(url)
         self.floor = Floor(self.client, names.floor_key())
+        # Only where the buffer itself sends directly; elsewhere both go through redis-py.
+        self.floor_direct = FloorDirect(self.client, names.floor_key()) if wire.supports(self.client) else None
         self._ids = iter(range(1 << 62))
 
     def close(self) -> None:
+        if self.floor_direct is not None:
+            self.floor_direct.close()
         self.client.close()
+
+    def _floors(self, args: list[int]) -> dict[str, Callable[[int], object]]:
+        """The timed floor steps of a case, each sending ``args``."""
+        steps: dict[str, Callable[[int], object]] = {"floor": lambda _i: self.floor.call(args)}
+        direct = self.floor_direct
+        if direct is not None:
+            steps["floor_direct"] = lambda _i: direct.call(args)
+        return steps
 
     def _request(self) -> str:
         return f"r{next(self._ids)}"
@@ -148,7 +162,7 @@ class SyncCases:
                     local.register(slot, request, NEED)
             results = measure_interleaved(
                 {
-                    "floor": lambda _i: self.floor.call(args),
+                    **self._floors(args),
                     "ours": lambda _i: buf.record(INSTANCE, RANK, 0, entries),
                     "naive": lambda _i: naive.record(0, entries),
                     "dict": lambda _i: local.record(0, entries),
@@ -218,7 +232,7 @@ class SyncCases:
                 held["dict"][slot] = self._request()
                 return local.register(slot, held["dict"][slot], NEED)
 
-            steps = {"floor": lambda _slot: self.floor.call(one), "ours": ours, "naive": naive_step, "dict": dict_step}
+            steps = {**self._floors(one), "ours": ours, "naive": naive_step, "dict": dict_step}
             results = self._slot_rounds(slots, fill, steps, clean)
         finally:
             buf.close()
@@ -238,7 +252,7 @@ class SyncCases:
                     local.register(slot, ids[slot], NEED)
 
             steps: dict[str, Callable[[int], object]] = {
-                "floor": lambda _slot: self.floor.call(one),
+                **self._floors(one),
                 "ours": lambda slot: buf.finish(INSTANCE, RANK, slot, ids[slot]),
                 "naive": lambda slot: naive.finish(slot, ids[slot]),
                 "dict": lambda slot: local.finish(slot, ids[slot]),
