@@ -84,8 +84,8 @@ class _KeptConnections:
         self._idle: list[Any] = []
         self._generation = _generation
         # Kept idle connections count as in use for the pool. At most half its size are kept,
-        # so they never starve the client's own commands (SCRIPT LOAD, reads, WAIT): redis.asyncio
-        # pools hold 100 connections by default, and a burst of calls may borrow them all.
+        # so they never starve the client's own commands (SCRIPT LOAD, reads, WAIT): a burst of
+        # calls may borrow every connection of a bounded pool (redis.asyncio's default is 100).
         self._keep_limit = self._pool.max_connections // 2
 
     def _kept(self) -> list[Any]:
@@ -106,7 +106,7 @@ class DirectCalls(_KeptConnections):
 
     Thread-safe: ``list.pop`` and ``list.append`` are atomic, so each connection serves one
     call at a time; a thread that finds none idle borrows one more from the pool (bounded by
-    the pool's own ``max_connections``).
+    the pool's own ``max_connections``, of which about half at most stay kept).
     """
 
     def run(self, packed: bytes) -> Any:
@@ -121,7 +121,7 @@ class DirectCalls(_KeptConnections):
             connection.send_packed_command((packed,), check_health=False)
             reply = connection.read_response()
         except ResponseError:
-            idle.append(connection)  # a whole error reply was read: the connection is clean
+            self._put_back(idle, connection)  # a whole error reply was read: it is clean
             raise
         except BaseException:
             # Closed, and handed back to the pool: its next checkout connects again the way
@@ -129,8 +129,15 @@ class DirectCalls(_KeptConnections):
             connection.disconnect()
             self._pool.release(connection)
             raise
-        idle.append(connection)
+        self._put_back(idle, connection)
         return reply
+
+    def _put_back(self, idle: list[Any], connection: Any) -> None:
+        """Keep a clean connection for the next call, or return it to the pool past the limit."""
+        if len(idle) < self._keep_limit:
+            idle.append(connection)
+        else:
+            self._pool.release(connection)
 
     def close(self) -> None:
         """Give the kept connections back to the pool (the client's ``close`` disconnects them)."""

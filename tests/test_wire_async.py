@@ -1,11 +1,13 @@
 """AsyncSignalBuffer's direct calls (wire.AsyncDirectCalls) on real redis-servers: concurrent
-tasks, cancelled tasks, kept connections, NOSCRIPT, Sentinel failover, and which clients use them."""
+tasks, cancelled tasks, kept connections, NOSCRIPT, Sentinel failover, and which clients use them;
+also the kept-connection limit the sync transport shares."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fakeredis
@@ -13,7 +15,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from redis_layer_signals import AsyncSignalBuffer, CacheTask, wire
+from redis_layer_signals import AsyncSignalBuffer, CacheTask, SignalBuffer, wire
 from tests.servers import RedisServer
 from tests.topology import SentinelTopology
 
@@ -164,6 +166,23 @@ async def test_fakeredis_async_buffer_keeps_the_client_path() -> None:
         assert [s.tokens for s in (await buffer.record("p0", 0, 0, [(1, 5)])).buffered] == [5]
     finally:
         await buffer.close()
+
+
+def test_sync_kept_connections_never_take_the_whole_pool(
+    redis_server: RedisServer, namespace: str, admin: redis.Redis
+) -> None:
+    """The same limit on the sync transport: threads on a bounded pool and a server without our
+    scripts (SCRIPT LOAD needs a connection of its own while the others are kept)."""
+    admin.script_flush()
+    buffer = SignalBuffer(redis.Redis.from_url(redis_server.url, max_connections=4), namespace=namespace, env={})
+    try:
+        with ThreadPoolExecutor(8) as threads:
+            results = list(threads.map(lambda slot: buffer.record("p0", 0, 0, [(slot, 7)]), range(40)))
+        assert [[s.slot for s in r.buffered] for r in results] == [[slot] for slot in range(40)]
+        assert isinstance(buffer._direct, wire.DirectCalls) and len(buffer._direct._idle) <= 2
+        assert [s.tokens for s in buffer.pending("p0", 0, 39)] == [7]
+    finally:
+        buffer.close()
 
 
 @pytest.fixture
