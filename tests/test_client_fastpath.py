@@ -228,6 +228,29 @@ def test_task_document_is_the_text_json_dumps_writes() -> None:
     assert encode_task(task) == json.dumps(document, separators=(",", ":"), sort_keys=True)
 
 
+@given(
+    request_id=st.from_regex(r"[A-Za-z0-9._-]{1,128}", fullmatch=True),
+    need=st.integers(0, 2**53 - 1),
+    layers=st.integers(1, 2**53 - 1),
+    cached=st.integers(0, 2**53 - 1),
+    meta=st.one_of(st.just({}), st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2)),
+)
+def test_task_document_of_any_valid_task_is_the_text_json_dumps_writes(
+    request_id: str, need: int, layers: int, cached: int, meta: dict[str, str]
+) -> None:
+    """The f-string written for a task without meta and the encoder agree on every valid task."""
+    task = CacheTask("p0", 0, 5, request_id, need, layers, cached, meta=meta)
+    Protocol(BufferConfig.resolve({})).task_keys(task)  # only validated tasks are encoded
+    document = {
+        "request_id": request_id,
+        "need_prefill_tokens": need,
+        "num_layers": layers,
+        "decode_cached_tokens": cached,
+        "meta": meta,
+    }
+    assert encode_task(task) == json.dumps(document, separators=(",", ":"), sort_keys=True)
+
+
 def test_async_buffer_round_trip_on_the_fast_path() -> None:
     async def run() -> None:
         buf = AsyncSignalBuffer.from_url("memory://fast-async", namespace="fast", env={})
