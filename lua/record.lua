@@ -33,14 +33,15 @@ end
 local now = now_ms(ARGV[1])
 local layer = ARGV[2]
 
--- Slots as strings (HMGET wants them), the rest of each entry as a position: its text is cut
--- out only for entries that need it (buffered, or checked against a request id).
+-- Slots as strings (HMGET wants them) and nothing else: the rest of an entry is found again by
+-- a plain find, in order, only for entries that need it (buffered, or checked against a
+-- request id). A second capture per entry cost more than those finds.
 local packed = ARGV[7]
-local slots, tails = {}, {}
+local slots = {}
 local n = 0
-for slot, tail in string.gmatch(packed, '([^,;]*),()[^;]*;') do
+for slot in string.gmatch(packed, '([^,;]*),[^;]*;') do
   n = n + 1
-  slots[n], tails[n] = slot, tail
+  slots[n] = slot
 end
 
 slots[n + 1] = HASHTABLE_FIELD
@@ -58,13 +59,18 @@ local after16 = now16 .. '~'
 local with_rids = ARGV[8] == '1'
 local buffered = {}
 local nbuffered = 0
+local cursor = 1 -- where entry i starts in packed, followed only when request ids were sent
 for i = 1, n do
   local holder = holders[i]
   local delivered = holder and holder > after16
-  if delivered and with_rids then
-    local from = tails[i] -- "tokens,request_id" (tokens hold no ',')
-    local rid = sub(packed, find(packed, ',', from, true) + 1, find(packed, ';', from, true) - 1)
-    delivered = rid == '' or rid == sub(holder, 18)
+  if with_rids then
+    local rid_at = find(packed, ',', cursor + #slots[i] + 1, true) + 1
+    local stop = find(packed, ';', rid_at, true)
+    if delivered then
+      local rid = sub(packed, rid_at, stop - 1)
+      delivered = rid == '' or rid == sub(holder, 18)
+    end
+    cursor = stop + 1
   end
   if not delivered then
     nbuffered = nbuffered + 1
@@ -139,12 +145,22 @@ else
       end
     end
   end
+  -- Entry i's "tokens,request_id" follows its slot and a ',', up to its ';': packed is walked
+  -- once, one find per entry.
+  local at, next_i = 1, 1 -- entry next_i starts at `at`
   for k = 1, nbuffered do
     local i = buffered[k]
-    local j = index[slots[i]]
+    while next_i < i do
+      at = find(packed, ';', at, true) + 1
+      next_i = next_i + 1
+    end
+    local slot = slots[i]
+    local from = at + #slot + 1
+    local stop = find(packed, ';', from, true)
+    at, next_i = stop + 1, i + 1
+    local j = index[slot]
     local value = values[j]
-    local from = tails[i]
-    local rec = marker .. sub(packed, from, find(packed, ';', from, true) - 1) .. suffix
+    local rec = marker .. sub(packed, from, stop - 1) .. suffix
     if not value then
       values[j] = rec
     else
