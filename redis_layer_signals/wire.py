@@ -15,6 +15,12 @@ closed and handed back to the pool, so one kept here is always idle and clean, a
 checkout connects as the client would.
 Other clients (Cluster, fakeredis, client-side caching, RESP3) keep the ordinary path.
 
+One difference from the pool's checkout: a kept connection is not polled before use, so one the
+server closed while it sat idle (its ``timeout`` setting, a restart) fails its next call with
+``ConnectionError``. The buffer's retry loop resends that call, with the same idempotency token,
+on a fresh connection after its first backoff (10 ms). A poll per call would cost a syscall on
+every call to save that once per idle timeout.
+
 ``redis.asyncio`` clients get the same treatment (:class:`AsyncDirectCalls`): there a task
 cancelled between sending and reading leaves its reply on the socket, so cancellation, too,
 closes the connection rather than keeping it.
