@@ -93,6 +93,8 @@ class _KeptConnections:
         # so they never starve the client's own commands (SCRIPT LOAD, reads, WAIT): a burst of
         # calls may borrow every connection of a bounded pool (redis.asyncio's default is 100).
         self._keep_limit = self._pool.max_connections // 2
+        # Set by close(): a call still in flight then hands its connection back, not keeps it.
+        self._closed = False
 
     def _kept(self) -> list[Any]:
         """This process's idle connections (a forked child starts with none)."""
@@ -139,17 +141,29 @@ class DirectCalls(_KeptConnections):
         return reply
 
     def _put_back(self, idle: list[Any], connection: Any) -> None:
-        """Keep a clean connection for the next call, or return it to the pool past the limit."""
-        if len(idle) < self._keep_limit:
-            idle.append(connection)
-        else:
+        """Keep a clean connection for the next call, or return it to the pool past the limit
+        or once closed."""
+        if self._closed or len(idle) >= self._keep_limit:
+            self._pool.release(connection)
+            return
+        idle.append(connection)
+        if self._closed:  # close() ran between the check and the append: its drain may have missed it
+            self._release_all(idle)
+
+    def _release_all(self, idle: list[Any]) -> None:
+        """Hand every kept connection back; ``pop`` is atomic, so each goes back once."""
+        while idle:
+            try:
+                connection = idle.pop()
+            except IndexError:
+                return
             self._pool.release(connection)
 
     def close(self) -> None:
-        """Give the kept connections back to the pool (the client's ``close`` disconnects them)."""
-        idle, self._idle = self._kept(), []
-        for connection in idle:
-            self._pool.release(connection)
+        """Give the kept connections back to the pool (the client's ``close`` disconnects them);
+        calls still in flight give theirs back when they end."""
+        self._closed = True
+        self._release_all(self._kept())
 
 
 class AsyncDirectCalls(_KeptConnections):
@@ -182,14 +196,17 @@ class AsyncDirectCalls(_KeptConnections):
         return reply
 
     async def _put_back(self, idle: list[Any], connection: Any) -> None:
-        """Keep a clean connection for the next call, or return it to the pool past the limit."""
-        if len(idle) < self._keep_limit:
-            idle.append(connection)
-        else:
+        """Keep a clean connection for the next call, or return it to the pool past the limit
+        or once closed."""
+        if self._closed or len(idle) >= self._keep_limit:
             await self._pool.release(connection)
+        else:
+            idle.append(connection)
 
     async def close(self) -> None:
-        """Give the kept connections back to the pool (the client's ``aclose`` disconnects them)."""
-        idle, self._idle = self._kept(), []
-        for connection in idle:
-            await self._pool.release(connection)
+        """Give the kept connections back to the pool (the client's ``aclose`` disconnects them);
+        tasks still waiting for a reply give theirs back when they end."""
+        self._closed = True
+        idle = self._kept()
+        while idle:
+            await self._pool.release(idle.pop())

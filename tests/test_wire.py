@@ -182,3 +182,26 @@ def test_close_hands_the_kept_connections_back(server: RedisServer) -> None:
     assert our_connections(server) >= 1
     buffer.close()
     assert our_connections(server) == 0
+
+
+def test_close_during_a_call_leaves_no_connection_checked_out(server: RedisServer) -> None:
+    """A call in flight when close() runs puts its connection back after close() has handed
+    the kept ones back; on a pool the client does not own (so not disconnected by close), a
+    connection kept then would stay checked out for good."""
+    pool = redis.ConnectionPool(port=server.port, max_connections=2)
+    buffer = SignalBuffer(redis.Redis(connection_pool=pool), namespace="w", env={})
+    buffer.record("p0", 0, 0, [(1, 1)])  # one connection kept, one used by SCRIPT LOAD
+    (connection,) = buffer._direct._idle  # type: ignore[union-attr]
+    real_read = connection.read_response
+
+    def close_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        connection.read_response = real_read
+        buffer.close()
+        return real_read(*args, **kwargs)
+
+    connection.read_response = close_meanwhile
+    assert [(s.slot, s.tokens) for s in buffer.record("p0", 0, 0, [(1, 2)]).buffered] == [(1, 2)]
+    both = [pool.get_connection(), pool.get_connection()]  # MaxConnectionsError if one leaked
+    for each in both:
+        pool.release(each)
+    pool.disconnect()

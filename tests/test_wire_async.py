@@ -215,3 +215,30 @@ async def test_sentinel_failover_kept_connection_asks_the_sentinels_again(
         assert [(s.layer, s.tokens) for s in recovered] == [(0, 100), (1, 200)]
     finally:
         await abuf.close()
+
+
+async def test_close_during_a_call_leaves_no_connection_checked_out(redis_server: RedisServer, namespace: str) -> None:
+    """:func:`tests.test_wire.test_close_during_a_call_leaves_no_connection_checked_out`, with
+    the close running in another task while a call waits for its reply."""
+    pool = redis.asyncio.ConnectionPool(port=redis_server.port, max_connections=2)
+    buffer = AsyncSignalBuffer(redis.asyncio.Redis(connection_pool=pool), namespace=namespace, env={})
+    await buffer.record("p0", 0, 0, [(1, 1)])
+    (connection,) = direct_of(buffer)._idle
+    real_read = connection.read_response
+    closed = asyncio.Event()
+
+    async def read_after_close(*args: Any, **kwargs: Any) -> Any:
+        connection.read_response = real_read
+        await closed.wait()
+        return await real_read(*args, **kwargs)
+
+    connection.read_response = read_after_close
+    call = asyncio.create_task(buffer.record("p0", 0, 0, [(1, 2)]))
+    await asyncio.sleep(0.01)
+    await buffer.close()
+    closed.set()
+    assert [(s.slot, s.tokens) for s in (await call).buffered] == [(1, 2)]
+    both = [await pool.get_connection(), await pool.get_connection()]  # one leaked: too many
+    for each in both:
+        await pool.release(each)
+    await pool.disconnect()
