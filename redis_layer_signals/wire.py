@@ -189,8 +189,13 @@ class AsyncDirectCalls(_KeptConnections):
             # Also on CancelledError: a task cancelled after sending leaves its reply unread on
             # the socket, where the next call would take it for its own. Closed and handed back,
             # the connection reconnects on its next checkout (Sentinel: asking the sentinels).
-            await connection.disconnect()
-            await self._pool.release(connection)
+            # Closed without waiting for the socket (as redis-py does on errors), and handed
+            # back whatever happens: a cancel scope that cancels every later await too would
+            # otherwise interrupt the wait and keep the connection checked out for good.
+            try:
+                await connection.disconnect(nowait=True)
+            finally:
+                await self._pool.release(connection)
             raise
         await self._put_back(idle, connection)
         return reply

@@ -242,3 +242,33 @@ async def test_close_during_a_call_leaves_no_connection_checked_out(redis_server
     for each in both:
         await pool.release(each)
     await pool.disconnect()
+
+
+async def test_a_call_cancelled_again_while_it_cleans_up_still_returns_its_connection(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Cancel scopes that cancel every await after the first cancel (anyio's, so Starlette's)
+    interrupt the clean-up of a cancelled call too; a clean-up that waits for the socket to
+    close would never hand the connection back, and the bounded pool would run out."""
+    pool = redis.asyncio.ConnectionPool(port=redis_server.port, max_connections=2)
+    buffer = AsyncSignalBuffer(redis.asyncio.Redis(connection_pool=pool), namespace=namespace, env={})
+    await buffer.record("p0", 0, 0, [(1, 1)])
+    (connection,) = direct_of(buffer)._idle
+    real_read = connection.read_response
+
+    async def never_answered(*args: Any, **kwargs: Any) -> Any:
+        connection.read_response = real_read
+        await asyncio.Event().wait()
+
+    connection.read_response = never_answered
+    call = asyncio.create_task(buffer.record("p0", 0, 0, [(1, 2)]))
+    await asyncio.sleep(0.01)
+    while not call.done():
+        call.cancel()
+        await asyncio.sleep(0)
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    both = [await pool.get_connection(), await pool.get_connection()]  # one leaked: too many
+    for each in both:
+        await pool.release(each)
+    await pool.disconnect()
