@@ -147,17 +147,17 @@ else
   end
   -- Entry i's "tokens,request_id" follows its slot and a ',', up to its ';': packed is walked
   -- once, one find per entry.
-  local at, next_i = 1, 1 -- entry next_i starts at `at`
+  local start_at, next_i = 1, 1 -- entry next_i starts at start_at
   for k = 1, nbuffered do
     local i = buffered[k]
     while next_i < i do
-      at = find(packed, ';', at, true) + 1
+      start_at = find(packed, ';', start_at, true) + 1
       next_i = next_i + 1
     end
     local slot = slots[i]
-    local from = at + #slot + 1
+    local from = start_at + #slot + 1
     local stop = find(packed, ';', from, true)
-    at, next_i = stop + 1, i + 1
+    start_at, next_i = stop + 1, i + 1
     local j = index[slot]
     local value = values[j]
     local rec = marker .. sub(packed, from, stop - 1) .. suffix
