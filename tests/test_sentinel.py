@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, InvalidConfig, SignalBuffer, acl
+from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, InvalidConfig, SignalBuffer, acl, wire
 from redis_layer_signals.config import BufferConfig
 from redis_layer_signals.replication import NotReplicated
 from tests.servers import RedisServer
@@ -191,3 +191,28 @@ def test_sentinel_url_carries_the_data_nodes_user_and_password(group: SentinelTo
     with pytest.raises(BufferUnavailable):
         wrong.pending("p0", 0, 5)
     wrong.close()
+
+
+async def test_sentinel_failover_kept_connection_asks_the_sentinels_again(
+    group: SentinelTopology, namespace: str
+) -> None:
+    """A kept connection to a demoted primary that refuses writes (NOREPLICAS) is closed and
+    handed back to the pool, whose next checkout asks the sentinels for the new primary."""
+    old = group.current_primary()
+    abuf = AsyncSignalBuffer.from_url(group.url, namespace=namespace, env={}, retry_s=10)
+    try:
+        await abuf.record("p0", 0, 0, [(5, 100)])
+        assert await abuf.client.wait(1, 2000) == 1  # the replica holds it before the failover
+        direct = abuf._direct
+        assert isinstance(direct, wire.AsyncDirectCalls)
+        assert direct._idle, "the buffer keeps a connection to the old primary"
+        set_config(old, "min-replicas-to-write", 1)
+
+        new_port = await asyncio.to_thread(group.failover)
+
+        assert new_port != old.port
+        assert (await abuf.record("p0", 0, 1, [(5, 200)])).buffered
+        recovered = (await abuf.register(task(slot=5))).recovered
+        assert [(s.layer, s.tokens) for s in recovered] == [(0, 100), (1, 200)]
+    finally:
+        await abuf.close()

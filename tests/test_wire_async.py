@@ -17,7 +17,6 @@ import redis.asyncio
 
 from redis_layer_signals import AsyncSignalBuffer, CacheTask, SignalBuffer, wire
 from tests.servers import RedisServer
-from tests.topology import SentinelTopology
 
 CONCURRENT = 200
 
@@ -183,38 +182,6 @@ def test_sync_kept_connections_never_take_the_whole_pool(
         assert [s.tokens for s in buffer.pending("p0", 0, 39)] == [7]
     finally:
         buffer.close()
-
-
-@pytest.fixture
-def group(sentinel_group: SentinelTopology) -> Iterator[SentinelTopology]:
-    sentinel_group.settle()
-    yield sentinel_group
-    sentinel_group.settle()
-
-
-async def test_sentinel_failover_kept_connection_asks_the_sentinels_again(
-    group: SentinelTopology, namespace: str
-) -> None:
-    """A kept connection to a demoted primary that refuses writes (NOREPLICAS) is closed and
-    handed back to the pool, whose next checkout asks the sentinels for the new primary."""
-    old = group.current_primary()
-    abuf = AsyncSignalBuffer.from_url(group.url, namespace=namespace, env={}, retry_s=10)
-    try:
-        await abuf.record("p0", 0, 0, [(5, 100)])
-        assert await abuf.client.wait(1, 2000) == 1  # the replica holds it before the failover
-        assert direct_of(abuf)._idle, "the buffer keeps a connection to the old primary"
-        admin = old.client()
-        admin.config_set("min-replicas-to-write", 1)
-        admin.close()
-
-        new_port = await asyncio.to_thread(group.failover)
-
-        assert new_port != old.port
-        assert (await abuf.record("p0", 0, 1, [(5, 200)])).buffered
-        recovered = (await abuf.register(task(slot=5))).recovered
-        assert [(s.layer, s.tokens) for s in recovered] == [(0, 100), (1, 200)]
-    finally:
-        await abuf.close()
 
 
 async def test_close_during_a_call_leaves_no_connection_checked_out(redis_server: RedisServer, namespace: str) -> None:
