@@ -43,18 +43,17 @@ local live = redis.call('HMGET', live_key, slot, HASHTABLE_FIELD)
 local holder, alive = parse_holder(live[1], now16)
 local status = 'ok'
 -- Every reply, refusals included, is kept under the token: a resend must not count twice.
-local function reply_with(reply)
-  return remember_reply(reply_key, reply, ARGV[8])
-end
+local reply_ttl = ARGV[8]
 
 if alive and holder == request_id then
   redis.call('HINCRBY', stats_key, 'reregistered', 1)
-  return reply_with('again|' .. now16 .. '|' .. (redis.call('HGET', tasks_key, slot .. ':recovery') or ''))
+  local first = redis.call('HGET', tasks_key, slot .. ':recovery') or ''
+  return remember_reply(reply_key, 'again|' .. now16 .. '|' .. first, reply_ttl)
 end
 if alive then
   if ARGV[9] ~= '1' then
     redis.call('HINCRBY', stats_key, 'occupied', 1)
-    return reply_with('occupied|' .. now16 .. '|' .. holder)
+    return remember_reply(reply_key, 'occupied|' .. now16 .. '|' .. holder, reply_ttl)
   end
   status = 'replaced'
   redis.call('HINCRBY', stats_key, 'replaced', 1)
@@ -136,4 +135,4 @@ for reason, n in pairs(dropped) do
   count(stats_key, 'dropped_' .. reason, n)
 end
 
-return reply_with(status .. '|' .. now16 .. '|' .. payload)
+return remember_reply(reply_key, status .. '|' .. now16 .. '|' .. payload, reply_ttl)
