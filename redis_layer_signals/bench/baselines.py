@@ -156,9 +156,6 @@ class Floor:
     def call(self, args: Sequence[int]) -> Any:
         return self.client.evalsha(self.sha, 1, self.key, *args)
 
-    def close(self) -> None:
-        """Nothing is kept beyond the client's own pool."""
-
 
 class FloorDirect(Floor):
     """:class:`Floor` sent as the sync buffer sends its scripts: a hiredis-packed EVALSHA on a
