@@ -22,9 +22,10 @@
 -- while a record uses no longer TTL, a slot that already holds records needs no expiry ZADD;
 -- a call before <next due> (at or before the expiry index's earliest score) skips the sweep;
 -- a call well before <key expires at> (0 under an injected clock) skips the PTTL. The live
--- hash's marker is "<key expires at>|<next due>|...", stamps too: a record that only delivers reads it in
--- the HMGET it makes anyway and sweeps only once something may be due. Both <next due> stay at
--- or before the index's earliest score: only record adds scores, and it lowers both markers.
+-- hash's marker is "<key expires at>|<next due>|...", stamps too: a record that only delivers
+-- reads it in the HMGET it makes anyway and sweeps only once something may be due. Both
+-- <next due> stay at or before the index's earliest score: only record adds scores, and it
+-- lowers both markers.
 --
 -- The expiry zset indexes groups of EXPIRY_GROUP slots (member: slot // EXPIRY_GROUP), scored
 -- by a time at or before the group's earliest pending deadline. Groups, not slots, keep the

@@ -2,8 +2,8 @@
 
 redis-py 8's ``execute_command`` wraps every command in a pool checkout (a lock, a ``poll``
 to make sure the connection holds no stale data, and connection-count metrics), a retry
-wrapper and operation-duration metrics; measured here, that is about 35 µs a call, a quarter
-of a round trip and more than our scripts' own server time. The buffer already owns what that
+wrapper and operation-duration metrics; measured here, that is 35 to 55 µs a call, a third of
+a round trip and more than our scripts' own server time. The buffer already owns what that
 machinery is for: its own retry loop, time bound and idempotency tokens. So for a plain
 ``redis.Redis`` client (one server, TLS, unix socket or Sentinel) it takes connections from the
 client's pool once, keeps them, and sends each call as one packed ``EVALSHA`` on one of them.
