@@ -1,5 +1,5 @@
-"""Server instructions per call, ours and the floor, counted by callgrind: the same numbers on a
-busy machine as on a quiet one.
+"""Server instructions per call, ours, the commands alone and the floor, counted by callgrind:
+the same numbers on a busy machine as on a quiet one.
 
 Latency ratios on a shared VM move by 10 % from run to run; instruction counts do not (the same
 binary, workload and arguments give the same total), so a change to a Lua script can be judged
@@ -9,6 +9,44 @@ zeroes the counters, makes the measured calls through the public buffer (or the 
 EVALSHA of ``return 1`` with the entries as ARGV), dumps the counters and divides. The counts
 cover everything the server does for a call: reading and parsing the request, the script,
 the reply, and the share of background work (expiring reply keys) the calls cause.
+
+"Commands alone" (``bare`` in the JSON) is the least our key layout costs for a case: the
+Redis commands our script runs on the measured path, the same commands with the same fields
+and value sizes, in the same number, with next to no Lua around them
+(``benchmarks/commands_alone/*.lua``; each header lists its commands). It is sent exactly as
+ours is: the buffer's protocol prepares the call (KEYS and ARGV, a fresh reply token each, so
+the closing ``SET ... PX`` creates a key as ours does) and it goes as an EVALSHA of the bare
+script. Ours minus it bounds the Lua logic we could still cut; it minus the floor is what
+the layout's commands cost. What makes the comparison fair, and where it is not exact:
+
+- Same request: the same keys and arguments, so parsing the request and building KEYS/ARGV
+  cost the same; the replies have the same length.
+- Same state: the bare calls run right after ours, on the same namespace. Record's cases keep
+  their slots (ours leaves the pending hash as it found it: one record of layer 0 per buffered
+  slot). Register and finish take a slot per call, so the set-up prepares twice as many:
+  ours uses slots ``[0, calls)``, the bare script ``[calls, 2 * calls)``, and each warms up on
+  a spare slot of its own. The hashes are then a little larger or smaller for the bare calls
+  (ours' calls added or removed ``calls`` fields), which does not change a command's cost
+  per field on hashtable-encoded hashes, but a hash or the keyspace growing past a power of
+  two rehashes during either window; the keyspace also holds ours' reply keys.
+- Shared background work, not separated out: the server's timer runs about ten times a second
+  of wall time while a call under valgrind takes about 50 times longer, so a window pays timer
+  work in proportion to its length; reply keys live ``retry_s`` + 5 s, so in a case that runs
+  longer than that, ours' keys expire during the bare or floor window; and Lua's incremental
+  garbage collector (driven by allocation, plus a step Redis forces every 50 script calls) may
+  collect in the bare window some of what ours' calls left. The floor, measured last, is
+  exposed to the same.
+- The bare scripts mirror the measured state, not the general case: they check no lease,
+  request id or deadline, never sweep, refresh a TTL or write a marker (none is due in these
+  cases). A case whose bare script would need ours' logic gets none and shows "-" (none
+  does now: register.61's payload, 61 records with their deadlines dropped, is one ``gsub``,
+  in C).
+- The bare scripts still run some Lua of their own: reading the entries (one gmatch; on the
+  buffered path with a second capture, "tokens,request_id", which measured cheaper there than
+  plain finds), building each pending record and the reply, and handing the commands their
+  arguments. For 512 buffered entries that Lua is about half of the bare count: the figure is
+  the least a Lua script on this layout costs, not the commands' own C alone.
+
 Usage::
 
     .venv/bin/python benchmarks/instructions.py [--calls 200] [--out benchmarks/results]
@@ -31,9 +69,11 @@ import redis
 from redis_layer_signals import CacheTask, SignalBuffer
 from redis_layer_signals.bench.baselines import Floor
 from redis_layer_signals.bench.server import BenchServerError, LocalRedis
+from redis_layer_signals.protocol import ScriptCall
 
 INSTANCE, RANK, NUM_LAYERS, NEED, TOKENS = "ir", 0, 61, 1 << 20, 2048
 TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
+COMMANDS_ALONE = Path(__file__).resolve().parent / "commands_alone"
 
 
 class CallgrindRedis(LocalRedis):
@@ -70,12 +110,16 @@ class CallgrindRedis(LocalRedis):
 @dataclass(frozen=True)
 class Case:
     """One measured operation: ``setup(buf, calls)`` runs uncounted, then ``step(buf, i)`` for
-    each measured call ``i``; the floor sends ``entries`` entries per call."""
+    each measured call ``i``; the floor sends ``entries`` entries per call. ``bare`` names the
+    case's script in ``commands_alone/`` (None: no commands-alone figure), sent with the call
+    ``prepare(buf, i)`` builds, which is what ``step(buf, i)`` sends."""
 
     name: str
     setup: Callable[[SignalBuffer, int], None]
     step: Callable[[SignalBuffer, int], object]
     entries: int
+    bare: str | None = None
+    prepare: Callable[[SignalBuffer, int], ScriptCall | None] | None = None
 
 
 def task(slot: int, request_id: str) -> CacheTask:
@@ -90,9 +134,11 @@ def nothing(_buf: SignalBuffer, _calls: int) -> None:
     """No set-up: record's buffered path (no task on the rank)."""
 
 
-def live_tasks(size: int) -> Callable[[SignalBuffer, int], None]:
+def live_tasks(size: int, step: int = 1) -> Callable[[SignalBuffer, int], None]:
+    """Live tasks on slots ``range(step - 1, size, step)``: every slot, or every odd one."""
+
     def setup(buf: SignalBuffer, _calls: int) -> None:
-        for slot in range(size):
+        for slot in range(step - 1, size, step):
             buf.register(task(slot, f"r{slot}"))
 
     return setup
@@ -112,25 +158,54 @@ def recording(size: int) -> Callable[[SignalBuffer, int], object]:
     return lambda buf, _i: buf.record(INSTANCE, RANK, 0, entries)
 
 
+def record_call(size: int) -> Callable[[SignalBuffer, int], ScriptCall | None]:
+    entries = batch(size)
+    return lambda buf, _i: buf.protocol.record(INSTANCE, RANK, 0, entries).call
+
+
 def registering(buf: SignalBuffer, i: int) -> object:
     return buf.register(task(i, f"q{i}"))
+
+
+def register_call(buf: SignalBuffer, i: int) -> ScriptCall | None:
+    return buf.protocol.register(task(i, f"q{i}")).call
 
 
 def finishing(buf: SignalBuffer, i: int) -> object:
     return buf.finish(INSTANCE, RANK, i, f"r{i}")
 
 
+def finish_call(buf: SignalBuffer, i: int) -> ScriptCall | None:
+    return buf.protocol.finish(INSTANCE, RANK, i, f"r{i}").call
+
+
 def all_cases() -> list[Case]:
     """The timed benchmark's cases: record buffered (no task: the same layer again, newest
-    wins) and delivered (live tasks); register of a slot holding 0, 1 or 61 pending layers;
-    finish of a registered slot. Register and finish use a slot of their own per call."""
+    wins) and delivered (live tasks); record.half.32, the 4-process benchmark's batch (32
+    entries, the odd slots live: 16 delivered, 16 buffered); register of a slot holding 0, 1
+    or 61 pending layers; finish of a registered slot. Register and finish use a slot of their
+    own per call."""
     cases = []
     for size in (1, 32, 512):
-        cases.append(Case(f"record.buffered.{size}", nothing, recording(size), size))
-        cases.append(Case(f"record.delivered.{size}", live_tasks(size), recording(size), size))
+        cases.append(
+            Case(f"record.buffered.{size}", nothing, recording(size), size, "record_buffered.lua", record_call(size))
+        )
+        cases.append(
+            Case(
+                f"record.delivered.{size}",
+                live_tasks(size),
+                recording(size),
+                size,
+                "record_delivered.lua",
+                record_call(size),
+            )
+        )
+    cases.append(Case("record.half.32", live_tasks(32, 2), recording(32), 32, "record_buffered.lua", record_call(32)))
     for layers in (0, 1, 61):
-        cases.append(Case(f"register.{layers}", pending_layers(layers), registering, 1))
-    cases.append(Case("finish", lambda buf, calls: live_tasks(calls)(buf, calls), finishing, 1))
+        cases.append(Case(f"register.{layers}", pending_layers(layers), registering, 1, "register.lua", register_call))
+    cases.append(
+        Case("finish", lambda buf, calls: live_tasks(calls)(buf, calls), finishing, 1, "finish.lua", finish_call)
+    )
     return cases
 
 
@@ -140,19 +215,44 @@ def calls_for(case: Case, calls: int) -> int:
     return max(10, calls // 8) if heavy else calls
 
 
-def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict[str, float | str]:
+class Bare:
+    """A case's commands-alone script, loaded once, sent as EVALSHA with a prepared call's
+    KEYS and ARGV."""
+
+    def __init__(self, client: redis.Redis, name: str) -> None:
+        self.client = client
+        self.sha = client.script_load((COMMANDS_ALONE / name).read_text())
+
+    def call(self, call: ScriptCall | None) -> object:
+        assert call is not None, "the measured calls always send something"
+        return self.client.evalsha(self.sha, len(call.keys), *call.keys, *call.args)
+
+
+def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict[str, float | str | None]:
+    """Ours on slots ``[0, calls)`` (where a call takes a slot), then the commands alone on
+    ``[calls, 2 * calls)``, then the floor; each warmed up first, ours on slot ``2 * calls``
+    and the bare script on ``2 * calls + 1``."""
     buf = SignalBuffer.from_url(server.url, namespace=f"ir{run_id}", env={})
     client = redis.Redis.from_url(server.url)
     floor = Floor(client, f"rls:ir-floor:{run_id}")
     args = Floor.flat(batch(case.entries))
+    bare_ir: float | None = None
     try:
-        case.setup(buf, calls + 1)
-        case.step(buf, calls)  # warm-up on a spare slot: script loaded, keys and markers created
+        case.setup(buf, 2 * calls + 2)
+        case.step(buf, 2 * calls)  # warm-up on a spare slot: script loaded, keys and markers created
         floor.call(args)
         server.zero()
         for i in range(calls):
             case.step(buf, i)
         ours = server.dump() / calls
+        if case.bare is not None and case.prepare is not None:
+            bare = Bare(client, case.bare)
+            bare.call(case.prepare(buf, 2 * calls + 1))
+            prepared = [case.prepare(buf, calls + i) for i in range(calls)]  # built before counting
+            server.zero()
+            for call in prepared:
+                bare.call(call)
+            bare_ir = server.dump() / calls
         server.zero()
         for _ in range(calls):
             floor.call(args)
@@ -160,10 +260,17 @@ def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict
     finally:
         buf.close()
         client.close()
-    return {"case": case.name, "calls": calls, "ours": ours, "floor": floor_ir, "ratio": ours / floor_ir}
+    return {
+        "case": case.name,
+        "calls": calls,
+        "ours": ours,
+        "bare": bare_ir,
+        "floor": floor_ir,
+        "ratio": ours / floor_ir,
+    }
 
 
-def run(calls: int, only: list[str] | None = None) -> list[dict[str, float | str]]:
+def run(calls: int, only: list[str] | None = None) -> list[dict[str, float | str | None]]:
     rows = []
     server = CallgrindRedis()
     server.start()
@@ -176,13 +283,16 @@ def run(calls: int, only: list[str] | None = None) -> list[dict[str, float | str
     return rows
 
 
-def markdown(rows: list[dict[str, float | str]]) -> str:
+def markdown(rows: list[dict[str, float | str | None]]) -> str:
     lines = [
-        "| case | ours (instructions/call) | floor | ours / floor |",
-        "|---|---:|---:|---:|",
+        "| case | ours (instructions/call) | commands alone | floor | ours / floor | commands alone / ours |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        lines.append(f"| {row['case']} | {row['ours']:,.0f} | {row['floor']:,.0f} | {row['ratio']:.2f} |")
+        ours, bare = row["ours"], row["bare"]
+        assert isinstance(ours, float)
+        alone, share = ("-", "-") if not isinstance(bare, float) else (f"{bare:,.0f}", f"{bare / ours:.2f}")
+        lines.append(f"| {row['case']} | {ours:,.0f} | {alone} | {row['floor']:,.0f} | {row['ratio']:.2f} | {share} |")
     return "\n".join(lines) + "\n"
 
 

@@ -237,9 +237,11 @@ def test_rls_bench_is_a_command_with_the_benchmark_options() -> None:
 
 def test_instruction_counts_come_from_a_callgrind_server_and_exceed_the_floor(tmp_path: Path) -> None:
     """benchmarks/instructions.py at a tiny size: every row is counted (no timing involved), a
-    script that does work costs more than one that only returns, and the files are written."""
+    script that does work costs more than one that only returns, the Redis commands alone cost
+    less than our script that runs them, and the files are written."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "instructions.py"
-    cases = "record.delivered.1,register.1,finish"
+    names = ["record.delivered.1", "record.half.32", "register.1", "finish"]
+    cases = ",".join(names)
     done = subprocess.run(
         [sys.executable, str(script), "--calls", "6", "--only", cases, "--out", str(tmp_path)],
         capture_output=True,
@@ -248,8 +250,12 @@ def test_instruction_counts_come_from_a_callgrind_server_and_exceed_the_floor(tm
         check=True,
     )
     rows = json.loads((tmp_path / "instructions.json").read_text())
-    assert [row["case"] for row in rows] == ["record.delivered.1", "register.1", "finish"]
+    assert [row["case"] for row in rows] == names
     for row in rows:
         assert row["floor"] > 1000 and row["ours"] > row["floor"]
         assert row["ratio"] == pytest.approx(row["ours"] / row["floor"])
+        if row["bare"] is not None:
+            assert 0 < row["bare"] < row["ours"], row
+    assert all(row["bare"] is not None for row in rows)  # every case here has its commands-alone script
+    assert "| commands alone | floor | ours / floor | commands alone / ours |" in done.stdout
     assert done.stdout == (tmp_path / "instructions.md").read_text().split("\n\n", 1)[1]
