@@ -131,10 +131,13 @@ local function count(stats_key, field, n)
   end
 end
 
--- Count and remove pending signals whose deadline has passed. Visits at most `limit` slots'
--- worth of groups that held expired signals, plus early-scored groups that turn out to hold
--- none (each one HMGET, then rescored or removed), never more than the due page it fetched.
-local function sweep(pending_key, expiry_key, stats_key, now, limit)
+-- Count and remove pending signals whose deadline has passed. Visits at most `limit_arg`
+-- slots' worth of groups that held expired signals, plus early-scored groups that turn out to
+-- hold none (each one HMGET, then rescored or removed), never more than the due page it
+-- fetched. `limit_arg` is the script argument as sent, a decimal string, converted here: the
+-- calls that could sweep but do not (most of them) pay no tonumber for it.
+local function sweep(pending_key, expiry_key, stats_key, now, limit_arg)
+  local limit = tonumber(limit_arg)
   if limit <= 0 then
     return 0
   end

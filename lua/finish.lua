@@ -30,7 +30,7 @@ local now = now_ms(ARGV[1])
 local slot, request_id = ARGV[2], ARGV[3]
 
 local now16 = ms16(now)
-local stored = slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, tonumber(ARGV[5]))
+local stored = slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, ARGV[5])
 
 local reply
 local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now16)

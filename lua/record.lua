@@ -90,7 +90,7 @@ local at = fmt(now)
 local ttl = tonumber(ARGV[3])
 local deadline = now + ttl
 local superseded = 0
-local limit = tonumber(ARGV[6])
+local limit = ARGV[6] -- as sent: sweep converts it when it runs
 if nbuffered == 0 then
   -- Only delivering, and something may be due: sweep, then move the live marker on.
   sweep(pending_key, expiry_key, stats_key, now, limit)

@@ -33,11 +33,12 @@ end
 
 local now = now_ms(ARGV[1])
 local slot, request_id = ARGV[2], ARGV[3]
-local need, num_layers = tonumber(ARGV[4]), tonumber(ARGV[5])
+-- Canonical decimals (the client's validated ints), compared as such: see below.
+local need, num_layers = ARGV[4], ARGV[5]
 local task_ttl = tonumber(ARGV[7])
 local now16 = ms16(now)
 
-local stored, meta = slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, tonumber(ARGV[10]))
+local stored, meta = slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, ARGV[10])
 
 local live = redis.call('HMGET', live_key, slot, HASHTABLE_FIELD)
 local holder, alive = parse_holder(live[1], now16)
@@ -61,49 +62,58 @@ end
 
 -- One pass over the slot's records: each becomes a payload part, with its reason. Records are
 -- kept in arrival order, usually ascending layers: the parts are sorted only when they are not.
-local parts, layers = {}, {}
-local popped, recovered = 0, 0
-local sorted = true
-local dropped = {}
-for _, layer, tokens, rid, at, deadline in records(stored) do
-  local n, amount = tonumber(layer), tonumber(tokens)
-  local reason = ''
-  if tonumber(deadline) <= now then
-    reason = 'expired'
-  elseif rid ~= '' and rid ~= request_id then
-    reason = 'request_mismatch'
-  elseif n >= num_layers then
-    reason = 'layer_out_of_range'
-  elseif amount <= 0 then
-    reason = 'non_positive'
-  elseif amount > need then
-    reason = 'over_need'
-  end
-  if reason == '' then
-    recovered = recovered + 1
-  else
-    dropped[reason] = (dropped[reason] or 0) + 1
-  end
-  popped = popped + 1
-  if popped > 1 and n < layers[popped - 1] then
-    sorted = false
-  end
-  parts[popped], layers[popped] = layer .. ',' .. tokens .. ',' .. rid .. ',' .. at .. ',' .. reason .. ';', n
-end
-if not sorted then
-  local by_layer = {}
-  for i = 1, popped do
-    by_layer[i] = i
-  end
-  table.sort(by_layer, function(x, y) return layers[x] < layers[y] end)
-  for i = 1, popped do
-    by_layer[i] = parts[by_layer[i]]
-  end
-  parts = by_layer
-end
-local payload = table.concat(parts)
-
+-- Every number here is a canonical decimal string of digits (a validated int printed by the
+-- client, or a time printed with %d), so "a < b" is "shorter, or as long and below": no
+-- tonumber, the dearest step of this loop (one per field and record). Digits only, so the
+-- byte comparison is the same under any LC_COLLATE the server runs with (Lua compares strings
+-- with strcoll).
+local payload, recovered, dropped = '', 0, nil
 if stored then
+  local parts, layers = {}, {}
+  local popped = 0
+  local sorted = true
+  local now_text = fmt(now)
+  for _, layer, tokens, rid, at, deadline in records(stored) do
+    local reason = ''
+    if #deadline < #now_text or #deadline == #now_text and deadline <= now_text then
+      reason = 'expired'
+    elseif rid ~= '' and rid ~= request_id then
+      reason = 'request_mismatch'
+    elseif #layer > #num_layers or #layer == #num_layers and layer >= num_layers then
+      reason = 'layer_out_of_range'
+    elseif tokens == '0' then -- record takes tokens >= 0 only
+      reason = 'non_positive'
+    elseif #tokens > #need or #tokens == #need and tokens > need then
+      reason = 'over_need'
+    end
+    if reason == '' then
+      recovered = recovered + 1
+    else
+      dropped = dropped or {}
+      dropped[reason] = (dropped[reason] or 0) + 1
+    end
+    popped = popped + 1
+    if popped > 1 then
+      local before = layers[popped - 1]
+      if #layer < #before or #layer == #before and layer < before then
+        sorted = false
+      end
+    end
+    parts[popped] = layer .. ',' .. tokens .. ',' .. rid .. ',' .. at .. ',' .. reason .. ';'
+    layers[popped] = layer
+  end
+  if not sorted then
+    local by_layer = {}
+    for i = 1, popped do
+      by_layer[i] = i
+    end
+    table.sort(by_layer, function(x, y) return tonumber(layers[x]) < tonumber(layers[y]) end)
+    for i = 1, popped do
+      by_layer[i] = parts[by_layer[i]]
+    end
+    parts = by_layer
+  end
+  payload = table.concat(parts)
   clear_pending(pending_key, expiry_key, slot)
 end
 
@@ -131,8 +141,10 @@ end
 
 redis.call('HINCRBY', stats_key, 'registered', 1)
 count(stats_key, 'recovered', recovered)
-for reason, n in pairs(dropped) do
-  count(stats_key, 'dropped_' .. reason, n)
+if dropped then
+  for reason, n in pairs(dropped) do
+    count(stats_key, 'dropped_' .. reason, n)
+  end
 end
 
 return remember_reply(reply_key, status .. '|' .. now16 .. '|' .. payload, reply_ttl)

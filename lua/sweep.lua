@@ -13,4 +13,4 @@
 -- run the same sweep on their own rank; this script lets a reader (stats, an
 -- operator) count expiries on a rank that has gone quiet.
 
-return sweep(KEYS[1], KEYS[2], KEYS[3], now_ms(ARGV[1]), tonumber(ARGV[2]))
+return sweep(KEYS[1], KEYS[2], KEYS[3], now_ms(ARGV[1]), ARGV[2])

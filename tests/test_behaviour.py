@@ -81,6 +81,60 @@ def test_register_drops_layer_out_of_range(buf: SignalBuffer) -> None:
     assert [(s.layer, r) for s, r in rec.dropped] == [(61, DropReason.LAYER_OUT_OF_RANGE)]
 
 
+@pytest.mark.parametrize(
+    ("layer", "num_layers", "tokens", "need", "reason"),
+    [
+        (9, 10, 99, 100, None),
+        (10, 10, 5, 100, DropReason.LAYER_OUT_OF_RANGE),
+        (10, 9, 5, 100, DropReason.LAYER_OUT_OF_RANGE),
+        (99, 100, 100, 100, None),
+        (100, 99, 5, 100, DropReason.LAYER_OUT_OF_RANGE),
+        (0, 1, 100, 99, DropReason.OVER_NEED),
+        (0, 1, 999, 1000, None),
+        (0, 1, 1000, 999, DropReason.OVER_NEED),
+        (0, 1, 10, 9, DropReason.OVER_NEED),
+        (0, 1, 9, 10, None),
+        (0, 1, 1, 0, DropReason.OVER_NEED),
+        (0, 1, 0, 0, DropReason.NON_POSITIVE),
+    ],
+)
+def test_register_checks_numbers_of_different_lengths(
+    buf: SignalBuffer, layer: int, num_layers: int, tokens: int, need: int, reason: DropReason | None
+) -> None:
+    """register compares the stored decimals by length, then bytes: "10" is above "9"."""
+    buf.record("p0", 0, layer, [(5, tokens)])
+    rec = buf.register(task(need=need, layers=num_layers))
+    if reason is None:
+        assert [(s.layer, s.tokens) for s in rec.recovered] == [(layer, tokens)] and rec.dropped == []
+    else:
+        assert rec.recovered == [] and [(s.layer, s.tokens, r) for s, r in rec.dropped] == [(layer, tokens, reason)]
+
+
+@pytest.mark.parametrize("layers", [(10, 9, 100, 2), (2, 9, 10, 100), (100, 10, 9, 2), (9, 10)])
+def test_recovered_layers_are_ordered_as_numbers(buf: SignalBuffer, layers: tuple[int, ...]) -> None:
+    for layer in layers:
+        buf.record("p0", 0, layer, [(5, 100)])
+    assert [s.layer for s in buf.register(task(layers=101)).recovered] == sorted(layers)
+
+
+@pytest.mark.parametrize(("now", "recovered"), [(9_999, True), (10_000, False), (100_000, False)])
+def test_pending_deadline_is_compared_across_digit_counts(url: str, namespace: str, now: int, recovered: bool) -> None:
+    """A signal recorded at 9,000 ms with a 1 s TTL is due at 10,000: recovered just before,
+    expired from then on, though the two times have different lengths."""
+    clock = [9_000]
+    b = SignalBuffer.from_url(url, namespace=namespace, pending_ttl_s=1, clock=lambda: clock[0], env={})
+    try:
+        b.record("p0", 0, 0, [(5, 100)])
+        clock[0] = now
+        rec = b.register(task())
+        stats = b.stats(sweep=False)
+        assert [s.tokens for s in rec.recovered] == ([100] if recovered else [])
+        expired = stats.get("expired", 0) + stats.get("dropped_expired", 0)
+        assert expired == (0 if recovered else 1)
+    finally:
+        b.close()
+
+
 def test_exactly_need_prefill_tokens_is_recovered(buf: SignalBuffer) -> None:
     buf.record("p0", 0, 0, [(5, 4096)])
     assert [s.tokens for s in buf.register(task(need=4096)).recovered] == [4096]
