@@ -52,17 +52,20 @@ local live_expires, live_due = read_live_marker(holders[n + 1] or nil)
 
 -- Delivered when the slot's lease runs and the entry names no request or the holder's; request
 -- ids are only looked at when sent. A holder is "<deadline stamp>|<request id>", so comparing
--- the whole value with now's stamp followed by '~' (above '|') is "deadline > now" without
--- cutting it out: an equal stamp loses at its '|', a later one wins on its digits.
+-- the whole value with the stamp of now + 1 ms is "deadline > now" without cutting it out: an
+-- equal stamp wins by being longer, an earlier one loses on its digits. Lua compares strings
+-- with strcoll, under the collation the server was started with: the right-hand side is digits
+-- only, so the answer is the same in every locale (now's stamp followed by '~' was not: in
+-- en_US.UTF-8 punctuation weighs nothing, and a lease counted as running at its deadline).
 local now16 = ms16(now)
-local after16 = now16 .. '~'
+local next16 = ms16(now + 1)
 local with_rids = ARGV[8] == '1'
 local buffered = {}
 local nbuffered = 0
 local cursor = 1 -- where entry i starts in packed, followed only when request ids were sent
 for i = 1, n do
   local holder = holders[i]
-  local delivered = holder and holder > after16
+  local delivered = holder and holder > next16
   if with_rids then
     local rid_at = find(packed, ',', cursor + #slots[i] + 1, true) + 1
     local stop = find(packed, ';', rid_at, true)

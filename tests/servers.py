@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from redis_layer_signals.bench.server import REDIS_SERVER, LocalRedis, free_port
 
@@ -35,8 +35,14 @@ class RedisServer(LocalRedis):
     """The package's one redis-server starter (:class:`redis_layer_signals.bench.server.LocalRedis`),
     with the test run's message for a missing binary and a restart that keeps port and data."""
 
-    def __init__(self, args: Sequence[str] = (), port: int | None = None, directory: str | None = None) -> None:
-        super().__init__(args, port, directory, binary=require_binary(REDIS_SERVER))
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        port: int | None = None,
+        directory: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(args, port, directory, binary=require_binary(REDIS_SERVER), env=env)
 
     def restart(self) -> RedisServer:
         self.kill()

@@ -9,13 +9,14 @@ not start unless given ``--redis URL``.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
@@ -51,6 +52,7 @@ class LocalRedis:
         port: int | None = None,
         directory: str | None = None,
         binary: str = REDIS_SERVER,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         found = shutil.which(binary)
         if found is None:
@@ -59,6 +61,8 @@ class LocalRedis:
         self.port = port or free_port()
         self.dir = directory or tempfile.mkdtemp(prefix="rls-redis-")
         self.args = list(args)
+        self.env = dict(env or {})
+        """Added to this process's environment for the server (a locale, say)."""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -79,7 +83,10 @@ class LocalRedis:
 
     def start(self: Server) -> Server:
         """Start the process and return once it answers PING; raise at once if it exits."""
-        process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        environment = {**os.environ, **self.env} if self.env else None
+        process = subprocess.Popen(
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment
+        )
         self.process = process
         client = self.client()
         try:
