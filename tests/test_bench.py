@@ -15,7 +15,7 @@ import redis
 from redis_layer_signals.bench import BenchConfig, names, run
 from redis_layer_signals.bench.baselines import Floor, FloorDirect
 from redis_layer_signals.bench.commandstats import EVALSHA
-from redis_layer_signals.bench.report import TARGETS, check, markdown
+from redis_layer_signals.bench.report import TARGETS, check, markdown, target_value
 from redis_layer_signals.bench.runner import write
 from tests.servers import RedisServer
 
@@ -259,3 +259,12 @@ def test_instruction_counts_come_from_a_callgrind_server_and_exceed_the_floor(tm
     assert all(row["bare"] is not None for row in rows)  # every case here has its commands-alone script
     assert "| commands alone | floor | ours / floor | commands alone / ours |" in done.stdout
     assert done.stdout == (tmp_path / "instructions.md").read_text().split("\n\n", 1)[1]
+
+
+def test_a_ratio_that_rounds_to_its_limit_shows_a_third_decimal() -> None:
+    assert target_value(1.5047, 1.5) == "1.505"
+    assert target_value(1.4951, 1.5) == "1.495"
+    assert target_value(1.5, 1.5) == "1.50"
+    assert target_value(1.4083, 1.3) == "1.41"
+    assert target_value(106.61, 120.0) == "106.61"
+    assert target_value(None, 1.3) == "-"

@@ -105,6 +105,14 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def target_value(value: float | None, limit: float) -> str:
+    """A measured ratio with two decimals, or three when two would print the limit itself
+    (1.505 against 1.5 is missed, and "1.50" would not show why)."""
+    if value is not None and value != limit and f"{value:.2f}" == f"{limit:.2f}":
+        return _fmt(value, 3)
+    return _fmt(value, 2)
+
+
 def _reference_table(values: dict[str, float]) -> list[str]:
     lines = [
         "",
@@ -141,7 +149,8 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for row in result["targets"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[row["met"]]
-        lines.append(f"| {row['name']} | {_fmt(row['value'], 2)} | {row['comparison']} {row['limit']:g} | {met} |")
+        measured = target_value(row["value"], row["limit"])
+        lines.append(f"| {row['name']} | {measured} | {row['comparison']} {row['limit']:g} | {met} |")
     lines += _reference_table(result["ratios"])
     lines += [
         "",
