@@ -144,6 +144,13 @@ def live_tasks(size: int, step: int = 1) -> Callable[[SignalBuffer, int], None]:
     return setup
 
 
+def crowded(buf: SignalBuffer, _calls: int) -> None:
+    """Slots 1..511 hold 61 pending layers each (31,171 signals): record.buffered.1.crowded
+    records onto slot 0 as record.buffered.1 does, to show its cost does not follow them."""
+    for layer in range(NUM_LAYERS):
+        buf.record(INSTANCE, RANK, layer, [(slot, TOKENS) for slot in range(1, 512)])
+
+
 def pending_layers(layers: int) -> Callable[[SignalBuffer, int], None]:
     def setup(buf: SignalBuffer, calls: int) -> None:
         for layer in range(layers):
@@ -182,7 +189,8 @@ def finish_call(buf: SignalBuffer, i: int) -> ScriptCall | None:
 def all_cases() -> list[Case]:
     """The timed benchmark's cases: record buffered (no task: the same layer again, newest
     wins) and delivered (live tasks); record.half.32, the 4-process benchmark's batch (32
-    entries, the odd slots live: 16 delivered, 16 buffered); register of a slot holding 0, 1
+    entries, the odd slots live: 16 delivered, 16 buffered); record.buffered.1 again with
+    31,171 signals buffered in the rank's other slots; register of a slot holding 0, 1
     or 61 pending layers; finish of a registered slot. Register and finish use a slot of their
     own per call."""
     cases = []
@@ -201,6 +209,7 @@ def all_cases() -> list[Case]:
             )
         )
     cases.append(Case("record.half.32", live_tasks(32, 2), recording(32), 32, "record_buffered.lua", record_call(32)))
+    cases.append(Case("record.buffered.1.crowded", crowded, recording(1), 1, "record_buffered.lua", record_call(1)))
     for layers in (0, 1, 61):
         cases.append(Case(f"register.{layers}", pending_layers(layers), registering, 1, "register.lua", register_call))
     cases.append(
