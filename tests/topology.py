@@ -261,14 +261,29 @@ class SentinelTopology:
         replica = self.current_replica()
         if replica.process is None or replica.process.poll() is not None:
             replica.start()
-        if role(replica) == "master":
-            with replica.client() as client:
-                client.replicaof("127.0.0.1", primary.port)
         for server in self.servers:
             with server.client() as client:
                 client.config_set("min-replicas-to-write", 0)
-        wait_until(lambda: self.replica_synced(replica), timeout=30, what="replica re-attached")
+        try:
+            wait_until(
+                lambda: self._attached(replica, primary),
+                timeout=60,
+                what=f"replica {replica.port} re-attached to primary {primary.port}",
+            )
+        except TimeoutError as exc:  # say what each side reports, for the next time it happens
+            raise TimeoutError(f"{exc}; replica: {replication(replica)}; primary: {replication(primary)}") from exc
         wait_until(self.sentinels_agree, timeout=30, what="sentinels settled")
+
+    def _attached(self, replica: RedisServer, primary: RedisServer) -> bool:
+        """Whether ``replica`` replicates ``primary`` with its link up; when it is a primary or
+        follows another server (a restart from its own command line, or a sentinel's
+        reconfiguration racing ours), it is pointed at ``primary`` again and the wait goes on."""
+        info = replication(replica)
+        if info["role"] != "slave" or int(info.get("master_port", 0)) != primary.port:
+            with replica.client() as client:
+                client.replicaof("127.0.0.1", primary.port)
+            return False
+        return bool(info["master_link_status"] == "up")
 
     def primary_agreed(self) -> bool:
         """Every sentinel names the same primary, which answers as one: no failover in progress."""
