@@ -38,9 +38,8 @@ the layout's commands cost. What makes the comparison fair, and where it is not 
   exposed to the same.
 - The bare scripts mirror the measured state, not the general case: they check no lease,
   request id or deadline, never sweep, refresh a TTL or write a marker (none is due in these
-  cases). A case whose bare script would need ours' logic gets none and shows "-" (none
-  does now: register.61's payload, 61 records with their deadlines dropped, is one ``gsub``,
-  in C).
+  cases). Every case has one: even register.61's payload, 61 records with their deadlines
+  dropped, is one ``gsub``, in C.
 - The bare scripts still run some Lua of their own: reading the entries (one gmatch; on the
   buffered path with a second capture, "tokens,request_id", which measured cheaper there than
   plain finds), building each pending record and the reply, and handing the commands their
@@ -63,6 +62,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -107,19 +107,29 @@ class CallgrindRedis(LocalRedis):
         raise BenchServerError("callgrind wrote no dump")
 
 
+Operation = Callable[[Any, int], Any]
+"""Measured call ``i`` of a case, made on the buffer (it runs) or on the buffer's protocol (it is
+only prepared): both have ``record``, ``register`` and ``finish`` with the same arguments."""
+
+
 @dataclass(frozen=True)
 class Case:
-    """One measured operation: ``setup(buf, calls)`` runs uncounted, then ``step(buf, i)`` for
-    each measured call ``i``; the floor sends ``entries`` entries per call. ``bare`` names the
-    case's script in ``commands_alone/`` (None: no commands-alone figure), sent with the call
-    ``prepare(buf, i)`` builds, which is what ``step(buf, i)`` sends."""
+    """One measured operation: ``setup(buf, calls)`` runs uncounted, then ``operation(buf, i)``
+    for each measured call ``i``; the floor sends ``entries`` entries per call. ``bare`` names
+    the case's script in ``commands_alone/``, sent with the call ``operation(buf.protocol, i)``
+    prepares, which is what ``operation(buf, i)`` sends."""
 
     name: str
     setup: Callable[[SignalBuffer, int], None]
-    step: Callable[[SignalBuffer, int], object]
+    operation: Operation
     entries: int
-    bare: str | None = None
-    prepare: Callable[[SignalBuffer, int], ScriptCall | None] | None = None
+    bare: str
+
+    def step(self, buf: SignalBuffer, i: int) -> object:
+        return self.operation(buf, i)
+
+    def prepare(self, buf: SignalBuffer, i: int) -> ScriptCall | None:
+        return self.operation(buf.protocol, i).call  # type: ignore[no-any-return]
 
 
 def task(slot: int, request_id: str) -> CacheTask:
@@ -160,30 +170,17 @@ def pending_layers(layers: int) -> Callable[[SignalBuffer, int], None]:
     return setup
 
 
-def recording(size: int) -> Callable[[SignalBuffer, int], object]:
+def recording(size: int) -> Operation:
     entries = batch(size)
-    return lambda buf, _i: buf.record(INSTANCE, RANK, 0, entries)
+    return lambda target, _i: target.record(INSTANCE, RANK, 0, entries)
 
 
-def record_call(size: int) -> Callable[[SignalBuffer, int], ScriptCall | None]:
-    entries = batch(size)
-    return lambda buf, _i: buf.protocol.record(INSTANCE, RANK, 0, entries).call
+def registering(target: Any, i: int) -> Any:
+    return target.register(task(i, f"q{i}"))
 
 
-def registering(buf: SignalBuffer, i: int) -> object:
-    return buf.register(task(i, f"q{i}"))
-
-
-def register_call(buf: SignalBuffer, i: int) -> ScriptCall | None:
-    return buf.protocol.register(task(i, f"q{i}")).call
-
-
-def finishing(buf: SignalBuffer, i: int) -> object:
-    return buf.finish(INSTANCE, RANK, i, f"r{i}")
-
-
-def finish_call(buf: SignalBuffer, i: int) -> ScriptCall | None:
-    return buf.protocol.finish(INSTANCE, RANK, i, f"r{i}").call
+def finishing(target: Any, i: int) -> Any:
+    return target.finish(INSTANCE, RANK, i, f"r{i}")
 
 
 def all_cases() -> list[Case]:
@@ -195,26 +192,13 @@ def all_cases() -> list[Case]:
     own per call."""
     cases = []
     for size in (1, 32, 512):
-        cases.append(
-            Case(f"record.buffered.{size}", nothing, recording(size), size, "record_buffered.lua", record_call(size))
-        )
-        cases.append(
-            Case(
-                f"record.delivered.{size}",
-                live_tasks(size),
-                recording(size),
-                size,
-                "record_delivered.lua",
-                record_call(size),
-            )
-        )
-    cases.append(Case("record.half.32", live_tasks(32, 2), recording(32), 32, "record_buffered.lua", record_call(32)))
-    cases.append(Case("record.buffered.1.crowded", crowded, recording(1), 1, "record_buffered.lua", record_call(1)))
+        cases.append(Case(f"record.buffered.{size}", nothing, recording(size), size, "record_buffered.lua"))
+        cases.append(Case(f"record.delivered.{size}", live_tasks(size), recording(size), size, "record_delivered.lua"))
+    cases.append(Case("record.half.32", live_tasks(32, 2), recording(32), 32, "record_buffered.lua"))
+    cases.append(Case("record.buffered.1.crowded", crowded, recording(1), 1, "record_buffered.lua"))
     for layers in (0, 1, 61):
-        cases.append(Case(f"register.{layers}", pending_layers(layers), registering, 1, "register.lua", register_call))
-    cases.append(
-        Case("finish", lambda buf, calls: live_tasks(calls)(buf, calls), finishing, 1, "finish.lua", finish_call)
-    )
+        cases.append(Case(f"register.{layers}", pending_layers(layers), registering, 1, "register.lua"))
+    cases.append(Case("finish", lambda buf, calls: live_tasks(calls)(buf, calls), finishing, 1, "finish.lua"))
     return cases
 
 
@@ -237,7 +221,7 @@ class Bare:
         return self.client.evalsha(self.sha, len(call.keys), *call.keys, *call.args)
 
 
-def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict[str, float | str | None]:
+def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict[str, float | str]:
     """Ours on slots ``[0, calls)`` (where a call takes a slot), then the commands alone on
     ``[calls, 2 * calls)``, then the floor; each warmed up first, ours on slot ``2 * calls``
     and the bare script on ``2 * calls + 1``."""
@@ -245,7 +229,6 @@ def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict
     client = redis.Redis.from_url(server.url)
     floor = Floor(client, f"rls:ir-floor:{run_id}")
     args = Floor.flat(batch(case.entries))
-    bare_ir: float | None = None
     try:
         case.setup(buf, 2 * calls + 2)
         case.step(buf, 2 * calls)  # warm-up on a spare slot: script loaded, keys and markers created
@@ -254,14 +237,13 @@ def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict
         for i in range(calls):
             case.step(buf, i)
         ours = server.dump() / calls
-        if case.bare is not None and case.prepare is not None:
-            bare = Bare(client, case.bare)
-            bare.call(case.prepare(buf, 2 * calls + 1))
-            prepared = [case.prepare(buf, calls + i) for i in range(calls)]  # built before counting
-            server.zero()
-            for call in prepared:
-                bare.call(call)
-            bare_ir = server.dump() / calls
+        bare = Bare(client, case.bare)
+        bare.call(case.prepare(buf, 2 * calls + 1))
+        prepared = [case.prepare(buf, calls + i) for i in range(calls)]  # built before counting
+        server.zero()
+        for call in prepared:
+            bare.call(call)
+        bare_ir = server.dump() / calls
         server.zero()
         for _ in range(calls):
             floor.call(args)
@@ -279,7 +261,7 @@ def measure(server: CallgrindRedis, case: Case, calls: int, run_id: int) -> dict
     }
 
 
-def run(calls: int, only: list[str] | None = None) -> list[dict[str, float | str | None]]:
+def run(calls: int, only: list[str] | None = None) -> list[dict[str, float | str]]:
     rows = []
     server = CallgrindRedis()
     server.start()
@@ -292,16 +274,16 @@ def run(calls: int, only: list[str] | None = None) -> list[dict[str, float | str
     return rows
 
 
-def markdown(rows: list[dict[str, float | str | None]]) -> str:
+def markdown(rows: list[dict[str, float | str]]) -> str:
     lines = [
         "| case | ours (instructions/call) | commands alone | floor | ours / floor | commands alone / ours |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         ours, bare = row["ours"], row["bare"]
-        assert isinstance(ours, float)
-        alone, share = ("-", "-") if not isinstance(bare, float) else (f"{bare:,.0f}", f"{bare / ours:.2f}")
-        lines.append(f"| {row['case']} | {ours:,.0f} | {alone} | {row['floor']:,.0f} | {row['ratio']:.2f} | {share} |")
+        assert isinstance(ours, float) and isinstance(bare, float)
+        counts = f"{ours:,.0f} | {bare:,.0f} | {row['floor']:,.0f}"
+        lines.append(f"| {row['case']} | {counts} | {row['ratio']:.2f} | {bare / ours:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -79,9 +79,8 @@ def test_a_lease_ends_at_its_deadline_for_record_as_for_register(
 
 
 def test_drop_reasons_compare_numbers_not_text(collated_server: RedisServer) -> None:
-    """Layers, tokens and deadlines of different lengths, on the collated server."""
-    now = [START_MS]
-    buf = SignalBuffer.from_url(collated_server.url, namespace="collate-reasons", clock=lambda: now[0], env={})
+    """Layers and tokens of different lengths, on the collated server."""
+    buf = SignalBuffer.from_url(collated_server.url, namespace="collate-reasons", clock=lambda: START_MS, env={})
     try:
         for layer in (10, 9, 100, 2):
             buf.record("p0", 0, layer, [(5, 99 if layer != 100 else 1000)])
