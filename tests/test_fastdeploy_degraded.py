@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import logging
 import queue
-import shutil
 import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,9 +45,7 @@ def cache_info(slot: int, request_id: str, need: int = 300) -> dict[str, Any]:
 def restart_empty(server: RedisServer) -> None:
     """SIGKILL, forget every file (as a node replaced with a fresh disk), start on the same port."""
     server.kill()
-    for entry in Path(server.dir).iterdir():
-        if entry.name != server.logfile.name:
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    server.wipe()
     server.start()
 
 

@@ -204,6 +204,17 @@ class ReferenceMessager:
         """True once every signal and cache_info put so far has been handled (bounded)."""
         return _poll(lambda: self.signals.unfinished_tasks == 0 and self.cache_infos.unfinished_tasks == 0, timeout)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """True once every signal, cache_info and ready batch put so far has been handled:
+        no hook call and no send is under way (bounded)."""
+        ready = self.cache_prefilled_engine_ids_queue
+
+        def idle() -> bool:
+            sending = ready.unfinished_tasks if isinstance(ready, queue.Queue) else 0
+            return self.signals.unfinished_tasks == 0 and self.cache_infos.unfinished_tasks == 0 and sending == 0
+
+        return _poll(idle, timeout)
+
     def wait_finished(self, request_ids: Iterable[str], timeout: float) -> set[str]:
         """Collect finished requests until all of ``request_ids`` are in or ``timeout`` passes."""
         return _collect(self.finished, request_ids, timeout)

@@ -184,8 +184,8 @@ def run(
     timeout_s: float = 30.0,
     retry_s: float | None = None,
     probe_s: float = 0.2,
-    on_step: Callable[[int], None] | None = None,
-    before_end: Callable[[], None] | None = None,
+    on_step: Callable[[int, ReferenceMessager], None] | None = None,
+    before_end: Callable[[ReferenceMessager], None] | None = None,
 ) -> Outcome:
     """Drive the workload through a :class:`ReferenceMessager` and collect the outcome.
 
@@ -211,6 +211,7 @@ def run(
         if not messager.wait_drained(timeout_s):
             raise TimeoutError(f"the messager did not drain its queues within {timeout_s}s")
 
+    step_hook = None if on_step is None else (lambda step: on_step(step, messager))
     adder = None
     try:
         with messager:
@@ -219,9 +220,9 @@ def run(
                 args = (url, namespace, INSTANCE, RANK, layers, DEFAULT_BLOCK_SIZE, inbox, ready, ack_queue, retry_s)
                 adder = context.Process(target=run_adder_process, args=args, daemon=True)
                 adder.start()
-                drive(plans, gpu, seed, inbox, _await_acked(ack_queue, acks, timeout_s), await_consumed, on_step)
+                drive(plans, gpu, seed, inbox, _await_acked(ack_queue, acks, timeout_s), await_consumed, step_hook)
             else:  # the adder is a thread of the messager: drained means registered
-                drive(plans, gpu, seed, messager.cache_infos, lambda _id: await_consumed(), await_consumed, on_step)
+                drive(plans, gpu, seed, messager.cache_infos, lambda _id: await_consumed(), await_consumed, step_hook)
             ids = {p.request.request_id for p in plans}
             finished = messager.wait_finished(ids, timeout_s)
             if adder is not None:
@@ -229,7 +230,7 @@ def run(
             else:
                 acks |= _drain(messager.acks)
             if before_end is not None:
-                before_end()
+                before_end(messager)
             stats = _stats_or_none(buffer)  # before the closing probe, which is not the workload's
             local_counts, local_pending = dict(bridge.local.counts), bridge.local.pending_here()
             alive = all(t.is_alive() for t in messager.threads) and _serves_one_more(
