@@ -336,6 +336,8 @@ class Layer0Bridge:
         for signal in result.buffered:
             holder = self.local.tasks.get(signal.slot)
             if self.registers_tasks and holder is not None and signal.slot not in self._gates:
+                if signal.tokens <= holder.queued_tokens:
+                    continue  # recorded just before the registration, which recovered it
                 # Redis lost this process's task (a restart without persistence): send now,
                 # and register the task again so the buffered copy is taken, not left behind.
                 deliver.append((signal.slot, signal.tokens))
@@ -540,7 +542,7 @@ class Layer0Bridge:
 
     def _log_local_verdict(self, task: CacheTask, early: EarlySignal, reason: Any) -> None:
         if reason is None:
-            logger.info(
+            logger.debug(
                 "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, early.tokens, task.request_id
             )
         else:
