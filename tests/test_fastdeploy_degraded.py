@@ -285,3 +285,41 @@ def test_metrics_show_the_episode_per_instance_and_rank(
     assert f"rls_bridge_degraded{{{labels}}} 0.0" in text
     assert f"rls_bridge_reconciled_entries_total{{{labels}}} 1.0" in text
     assert f"rls_bridge_episodes_total{{{labels}}} 1.0" in text
+
+
+@pytest.mark.parametrize("redis_up", [True, False], ids=["shared", "degraded"])
+def test_known_limit_late_signal_of_an_aborted_request_goes_to_the_next_one(
+    server: RedisServer, rig: tuple[SignalBuffer, Layer0Bridge], redis_up: bool
+) -> None:
+    """FastDeploy's fix and the bridge share this limit: request A is aborted and finished; a
+    layer-0 signal computed for A arrives after that, before B registers on the slot; without
+    a request id in the signal, B recovers it."""
+    _buffer, bridge = rig
+    bridge.on_cache_task(cache_info(5, "req-a"))
+    bridge.on_task_finished(5, "req-a")
+    if not redis_up:
+        server.kill()
+    bridge.on_kv_signal(kv((5, 0, 64)))  # computed for A, which is gone
+    assert bridge.on_cache_task(cache_info(5, "req-b", need=128)) == [(5, 64)]
+
+
+@pytest.mark.parametrize("redis_up", [True, False], ids=["shared", "degraded"])
+def test_with_request_ids_in_the_signal_a_late_signal_is_fenced(
+    server: RedisServer, rig: tuple[SignalBuffer, Layer0Bridge], redis_up: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What FastDeploy would need to put in the signal to lift that limit: the request id per
+    slot (or a per-slot generation). The bridge then hands a signal only to its own request."""
+    buffer, bridge = rig
+    bridge.on_cache_task(cache_info(5, "req-a"))
+    bridge.on_task_finished(5, "req-a")
+    if not redis_up:
+        server.kill()
+    bridge.on_kv_signal(kv((5, 0, 64)), request_ids={5: "req-a"})
+    with caplog.at_level(logging.WARNING, logger="redis_layer_signals.fastdeploy"):
+        assert bridge.on_cache_task(cache_info(5, "req-b", need=128)) == []
+    assert "request_mismatch" in caplog.text
+    assert bridge.on_kv_signal(kv((5, 0, 128)), request_ids={5: "req-b"}) == [(5, 128)]
+    if redis_up:
+        assert buffer.stats()["dropped_request_mismatch"] == 1
+    else:
+        assert bridge.local.counts["dropped_request_mismatch"] == 1

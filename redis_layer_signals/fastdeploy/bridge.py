@@ -25,6 +25,7 @@ Three promises to FastDeploy's loops:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -36,7 +37,7 @@ from .. import validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
-from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
+from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .health import BridgeHealth
 from .journal import FinishOp, Operation, RecordOp, RegisterOp, entries_in, replay
 from .local import EarlySignal, LocalState
@@ -132,16 +133,23 @@ class Layer0Bridge:
 
     # -- the three hooks ------------------------------------------------------------------
 
-    def on_kv_signal(self, kv_signal_data: Any) -> Batch:
+    def on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None = None) -> Batch:
         """In ``consume_signals``, outside FastDeploy's lock: record a layer-0 message.
 
         Takes the raw ``kv_signal_data`` tensor or an already decoded :class:`KvSignal`. Queues
         the entries whose task is live and returns them (already queued: for logs); the others
         wait for their task. Empty reads and later layers return ``[]`` and touch nothing.
+
+        ``request_ids`` (slot -> the request the GPU computed in that slot) is what FastDeploy's
+        signal does not carry today: with it, a signal is only ever handed to its own request
+        (a late signal of an aborted request is dropped as ``request_mismatch`` instead of
+        being recovered by the next request on the slot).
         """
         operation = "on_kv_signal"
         try:
-            entries = layer0_entries(kv_signal_data)
+            entries: list[tuple[Any, ...]] = list(layer0_entries(kv_signal_data))
+            if request_ids is not None:
+                entries = [(slot, tokens, request_ids.get(slot)) for slot, tokens in entries]
         except InvalidSignal as exc:
             self._invalid(operation, exc)
             return []
@@ -332,10 +340,11 @@ class Layer0Bridge:
                 # Redis holds a task for this slot that this process never registered (left by
                 # an earlier process, or restored from an AOF): FastDeploy's sender knows no
                 # such task, so the signal waits here for this process's own.
-                self.local.keep_early(signal.slot, self._early(signal.tokens, signal.recorded_at_ms), counted=False)
+                self.local.keep_early(signal.slot, self._early(signal), counted=False)
         for signal in result.buffered:
             holder = self.local.tasks.get(signal.slot)
-            if self.registers_tasks and holder is not None and signal.slot not in self._gates:
+            mine = holder is not None and signal.request_id in (None, holder.task.request_id)
+            if self.registers_tasks and holder is not None and mine and signal.slot not in self._gates:
                 if signal.tokens <= holder.queued_tokens:
                     continue  # recorded just before the registration, which recovered it
                 # Redis lost this process's task (a restart without persistence): send now,
@@ -343,7 +352,7 @@ class Layer0Bridge:
                 deliver.append((signal.slot, signal.tokens))
                 repair.append(holder.task)
             elif self.registers_tasks:
-                self.local.keep_early(signal.slot, self._early(signal.tokens, signal.recorded_at_ms), counted=False)
+                self.local.keep_early(signal.slot, self._early(signal), counted=False)
         return self._queue(deliver), repair
 
     def _settle_register(self, task: CacheTask, result: RegisterResult) -> Batch:
@@ -388,15 +397,19 @@ class Layer0Bridge:
 
     # -- locally (under the lock) ------------------------------------------------------------
 
-    def _record_locally(self, entries: Batch) -> Batch:
+    def _record_locally(self, entries: list[tuple[Any, ...]]) -> Batch:
         deliver: Batch = []
         now = _now_ms()
-        for slot, tokens in entries:
-            if slot in self._gates or (self.registers_tasks and slot in self.local.tasks):
+        for slot, tokens, *named in entries:
+            request_id = named[0] if named else None
+            holder = self.local.tasks.get(slot)
+            live = holder is not None and request_id in (None, holder.task.request_id)
+            if slot in self._gates or (self.registers_tasks and live):
                 self.local.count_delivered()
                 deliver.append((slot, tokens))
             else:
-                self.local.keep_early(slot, EarlySignal(tokens, now + self._pending_ttl_ms, shared=False), counted=True)
+                early = EarlySignal(tokens, now + self._pending_ttl_ms, shared=False, request_id=request_id)
+                self.local.keep_early(slot, early, counted=True)
         self._note_local("on_kv_signal", RecordOp(tuple(entries)))
         return self._queue(deliver)
 
@@ -449,8 +462,9 @@ class Layer0Bridge:
             self.ready.put(batch)
         return batch
 
-    def _early(self, tokens: int, recorded_at_ms: int) -> EarlySignal:
-        return EarlySignal(tokens, recorded_at_ms + self._pending_ttl_ms, shared=True)
+    def _early(self, signal: LayerSignal) -> EarlySignal:
+        deadline = signal.recorded_at_ms + self._pending_ttl_ms
+        return EarlySignal(signal.tokens, deadline, shared=True, request_id=signal.request_id)
 
     # -- episodes --------------------------------------------------------------------------
 
@@ -504,7 +518,7 @@ class Layer0Bridge:
         # Every local decision is in Redis now, counted there: the local signals are Redis's too.
         self.local.counting = False
         self.local.counts.clear()
-        self.local.early = {slot: EarlySignal(s.tokens, s.deadline_ms, True) for slot, s in self.local.early.items()}
+        self.local.early = {slot: dataclasses.replace(s, shared=True) for slot, s in self.local.early.items()}
         calls, entries = self._episode_calls, self._episode_reconciled
         logger.warning(
             "%s/%d: Redis answers again after %.1fs degraded: %d calls served locally, %d entries written back",

@@ -12,6 +12,7 @@ registers its own tasks: it already handed those out. See :mod:`.bridge`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..buffer import SignalBuffer
 from ..models import CacheTask
@@ -20,9 +21,9 @@ from .signals import SIGNAL_LAYER
 
 @dataclass(frozen=True)
 class RecordOp:
-    """A layer-0 batch recorded locally."""
+    """A layer-0 batch recorded locally: ``(slot, tokens[, request_id])`` entries."""
 
-    entries: tuple[tuple[int, int], ...]
+    entries: tuple[tuple[Any, ...], ...]
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,11 @@ class EarlySignal:
     deadline_ms: int
     """When it expires, as in Redis: its recording time plus the pending TTL."""
     shared: bool
-    """True when Redis buffered it too (so Redis counts its fate); False when only this process
-    has seen it (recorded while Redis was unreachable, or delivered by Redis to a holder this
-    process does not know)."""
+    """True when Redis counted its recording (it buffered it, or delivered it to a holder this
+    process does not know): Redis counts its fate too. False when only this process has seen it
+    (recorded while Redis was unreachable)."""
+    request_id: str | None = None
+    """The request the GPU computed it for, when the signal says (FastDeploy's does not)."""
 
 
 @dataclass
@@ -76,16 +78,15 @@ class LocalState:
 
     def register(self, task: CacheTask, now_ms: int) -> tuple[EarlySignal | None, DropReason | None]:
         """Make ``task`` the slot's holder (overwriting, as FastDeploy does) and pop its early
-        signal: returns the signal and, when it must not be sent, why (Redis's checks, in
-        Redis's order: expired, non_positive, over_need). The same request registered again
-        keeps what was queued for it."""
+        signal: returns the signal and, when it must not be sent, why (see :func:`verdict`).
+        The same request registered again keeps what was queued for it."""
         holder = self.tasks.get(task.slot)
         if holder is None or holder.task.request_id != task.request_id:
             self.tasks[task.slot] = LocalTask(task)
         early = self.early.pop(task.slot, None)
         if early is None:
             return None, None
-        reason = verdict(early, task.need_prefill_tokens, now_ms)
+        reason = verdict(early, task, now_ms)
         self._count_end(early, "recovered" if reason is None else f"dropped_{reason.value}")
         return early, reason
 
@@ -117,13 +118,15 @@ class LocalState:
             self.counts["shared_taken" if signal.shared else fate] += 1
 
 
-def verdict(signal: EarlySignal, need_prefill_tokens: int, now_ms: int) -> DropReason | None:
-    """Why an early layer-0 signal must not be sent to a task needing ``need_prefill_tokens``,
-    or None when it may."""
+def verdict(signal: EarlySignal, task: CacheTask, now_ms: int) -> DropReason | None:
+    """Why an early layer-0 signal must not be sent to ``task``, or None when it may (Redis's
+    checks, in Redis's order)."""
     if now_ms >= signal.deadline_ms:
         return DropReason.EXPIRED
+    if signal.request_id is not None and signal.request_id != task.request_id:
+        return DropReason.REQUEST_MISMATCH
     if signal.tokens <= 0:
         return DropReason.NON_POSITIVE
-    if signal.tokens > need_prefill_tokens:
+    if signal.tokens > task.need_prefill_tokens:
         return DropReason.OVER_NEED
     return None

@@ -52,7 +52,7 @@ class UnbufferedBridge(Layer0Bridge):
     remembers the early signal, so its request is never sent.
     """
 
-    def on_kv_signal(self, kv_signal_data: Any) -> Batch:
+    def on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None = None) -> Batch:
         ready = []
         for slot, tokens in layer0_entries(kv_signal_data):
             if self.buffer.task(self.instance, self.rank, slot) is None:
