@@ -126,3 +126,16 @@ def test_outcome_reports_a_lost_request() -> None:
     ]
     del writes[first]
     assert outcome(plans, both, writes).problems() == ["1 block writes missing"]
+
+
+@pytest.mark.timeout(240)
+def test_racing_mix_a_hundred_times_never_lets_a_batch_overtake_its_slot(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """With every bridge call outside FastDeploy's lock, a recovered batch must still reach the
+    sender before any later batch of its slot: if it came after a later chunk's batch that
+    finished the request, the sender's assertion (FastDeploy's own) would fail on the missing
+    task, and the run would report a thread error. A hundred seeded mixes on a real Redis."""
+    for seed in range(100):
+        outcome = run(redis_server.url, f"{namespace}-{seed}", requests=8, seed=seed, layers=2, timeout_s=WAIT_S)
+        assert outcome.problems() == [], (seed, outcome.problems())
