@@ -58,9 +58,7 @@ META_DEST_BLOCKS = "dest_block_ids"
 read where to write from the buffer alone."""
 META_PASSTHROUGH = ("transfer_protocol", "ip")
 """Scalar ``cache_info`` fields copied into the task meta when present, for operators."""
-STATS_DEGRADED_MS = "degraded_ms"
-STATS_SERVED_LOCALLY = "served_locally"
-STATS_RECONCILED = "reconciled"
+STATS_DEGRADED_MS, STATS_SERVED_LOCALLY, STATS_RECONCILED = "degraded_ms", "served_locally", "reconciled"
 """Fields the bridge adds to its rank's ``stats`` hash when an episode ends."""
 
 
@@ -534,12 +532,11 @@ class Layer0Bridge:
         """Add the episode to the rank's counters, best effort and never resent (a counter
         increment has no idempotency token)."""
         stats = self.buffer.protocol.keys.rank(self.instance, self.rank).stats
+        client = self.buffer.client
         try:
-            pipe = self.buffer.client.pipeline(transaction=False)
-            pipe.hincrby(stats, STATS_DEGRADED_MS, round(seconds * 1000))
-            pipe.hincrby(stats, STATS_SERVED_LOCALLY, calls)
-            pipe.hincrby(stats, STATS_RECONCILED, entries)
-            pipe.execute()
+            client.hincrby(stats, STATS_DEGRADED_MS, round(seconds * 1000))
+            client.hincrby(stats, STATS_SERVED_LOCALLY, calls)
+            client.hincrby(stats, STATS_RECONCILED, entries)
         except Exception as exc:
             logger.warning("%s/%d: could not add the episode to the counters: %s", self.instance, self.rank, exc)
 
