@@ -323,3 +323,21 @@ def test_with_request_ids_in_the_signal_a_late_signal_is_fenced(
         assert buffer.stats()["dropped_request_mismatch"] == 1
     else:
         assert bridge.local.counts["dropped_request_mismatch"] == 1
+
+
+def test_stale_holder_left_by_an_earlier_process_never_receives_the_new_requests_signal(
+    rig: tuple[SignalBuffer, Layer0Bridge],
+) -> None:
+    """A messager that died (or an AOF restart) leaves a live task in Redis for 900 s. The new
+    process's early signal on that slot is 'delivered' by Redis to the stale holder, which
+    FastDeploy's sender does not know: the bridge keeps it for the process's own request, which
+    then takes the slot over and gets it."""
+    buffer, bridge = rig
+    earlier = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS)
+    earlier.on_cache_task(cache_info(5, "req-dead"))
+    assert bridge.on_kv_signal(kv((5, 0, 128))) == []  # not queued: no task of this process
+    assert buffer.stats()["delivered"] == 1
+    assert bridge.on_cache_task(cache_info(5, "req-new", need=128)) == [(5, 128)]
+    task = buffer.task("p0", 0, 5)
+    assert task is not None and task.request_id == "req-new"
+    assert queued(bridge) == [[(5, 128)]] and queued(earlier) == []
