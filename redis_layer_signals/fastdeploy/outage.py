@@ -143,11 +143,12 @@ class _Outage:
         """Once every request finished: wait for the write-back (unless Redis stays down)."""
         if self.killed is None:
             raise RuntimeError(f"the run ended before step {self.kill_at}: no outage happened")
+        # The workload may end before down_s: the outage still lasts that long.
+        time.sleep(max(0.0, self.down_s - (time.monotonic() - self.killed)))
         if self.restart == "never":
             self.down_for = time.monotonic() - self.killed
             return
-        if not self.down_for:  # the workload ended first: the outage still lasts down_s
-            time.sleep(max(0.0, self.down_s - (time.monotonic() - self.killed)))
+        if not self.down_for:
             self._restart(self.killed)
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while messager.bridge.health().degraded and time.monotonic() < deadline:
