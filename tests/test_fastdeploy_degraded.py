@@ -341,3 +341,22 @@ def test_stale_holder_left_by_an_earlier_process_never_receives_the_new_requests
     task = buffer.task("p0", 0, 5)
     assert task is not None and task.request_id == "req-new"
     assert queued(bridge) == [[(5, 128)]] and queued(earlier) == []
+
+
+def test_a_bug_after_the_redis_call_is_logged_and_holds_nothing_back(
+    rig: tuple[SignalBuffer, Layer0Bridge], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception in the bridge's own bookkeeping (here: after the registration ran in
+    Redis) reaches neither FastDeploy's loop nor the slot's later batches."""
+    _buffer, bridge = rig
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("bookkeeping bug")
+
+    monkeypatch.setattr(bridge.local, "register", broken)
+    with caplog.at_level(logging.ERROR, logger="redis_layer_signals.fastdeploy"):
+        assert bridge.on_cache_task(cache_info(5, "req-1")) == []
+        assert bridge.on_cache_task(cache_info(6, "req-2")) == []
+    assert len([r for r in caplog.records if "bookkeeping bug" in str(r.exc_info)]) == 1, "logged once"
+    assert bridge.health().errors == {"on_cache_task": 2}
+    assert 5 not in bridge._gates and 6 not in bridge._gates

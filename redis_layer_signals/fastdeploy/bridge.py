@@ -143,6 +143,13 @@ class Layer0Bridge:
         (a late signal of an aborted request is dropped as ``request_mismatch`` instead of
         being recovered by the next request on the slot).
         """
+        try:
+            return self._on_kv_signal(kv_signal_data, request_ids)
+        except Exception as exc:  # a bug of ours: logged, never raised into FastDeploy's loop
+            self._bug("on_kv_signal", exc)
+            return []
+
+    def _on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None) -> Batch:
         operation = "on_kv_signal"
         try:
             entries: list[tuple[Any, ...]] = list(layer0_entries(kv_signal_data))
@@ -178,12 +185,30 @@ class Layer0Bridge:
         a warning naming both requests. Early signals the buffer refused (over
         ``need_prefill_tokens``, expired, ...) are logged with their reason.
         """
+        try:
+            return self._on_cache_task(cache_info)
+        except Exception as exc:  # a bug of ours: logged, never raised into FastDeploy's loop
+            self._bug("on_cache_task", exc)
+            return []
+
+    def _on_cache_task(self, cache_info: Mapping[str, Any]) -> Batch:
         operation = "on_cache_task"
         try:
             task = self.cache_task(cache_info)
         except InvalidTask as exc:
             self._invalid(operation, exc)
             return []
+        slot = task.slot
+        try:
+            return self._register_task(task)
+        finally:
+            with self._lock:  # whatever happened, nothing stays held behind this registration
+                held = self._gates.pop(slot, None)
+                if held:
+                    self._queue(held)
+
+    def _register_task(self, task: CacheTask) -> Batch:
+        operation = "on_cache_task"
         slot = task.slot
         with self._lock:
             if self._degraded_since is not None:
@@ -207,6 +232,13 @@ class Layer0Bridge:
         release the slot, fenced by ``request_id`` (a late call for an older request never
         touches the request that now holds the slot), and drop signals still waiting for an
         aborted request. Returns what happened (decided locally while degraded)."""
+        try:
+            return self._on_task_finished(current_id, request_id)
+        except Exception as exc:  # a bug of ours: logged, never raised into FastDeploy's loop
+            self._bug("on_task_finished", exc)
+            return FinishResult(removed=False, dropped=0, fenced=False)
+
+    def _on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
         operation = "on_task_finished"
         try:
             validation.slot(current_id, self.buffer.config.max_slots, InvalidTask)
@@ -539,6 +571,16 @@ class Layer0Bridge:
             client.hincrby(stats, STATS_RECONCILED, entries)
         except Exception as exc:
             logger.warning("%s/%d: could not add the episode to the counters: %s", self.instance, self.rank, exc)
+
+    def _bug(self, operation: str, exc: Exception) -> None:
+        """An error of the bridge itself, after the Redis call: count it, log it with its
+        traceback once per kind, and let FastDeploy's loop go on."""
+        with self._lock:
+            self._errors[operation] += 1
+            first = f"bug:{operation}:{type(exc).__name__}" not in self._logged_invalid
+            self._logged_invalid.add(f"bug:{operation}:{type(exc).__name__}")
+        if first:
+            logger.error("%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, exc_info=exc)
 
     def _invalid(self, operation: str, exc: InvalidSignal | InvalidTask) -> None:
         """Count bad input; log it once until the same hook succeeds again."""
