@@ -169,6 +169,8 @@ class ReferenceMessager:
         self.acks: queue.Queue[str] = queue.Queue()
         self.progress = Progress()
         self.errors: list[BaseException] = []
+        self.stale: list[tuple[int, int]] = []
+        """Batches skipped because their request had finished (adder in another process only)."""
         self.engine_cache_task_thread_lock = threading.Lock()
         self.idx_cache_task_dict: dict[int, dict[str, Any]] = {}
         self.tasks_from_buffer = not with_adder
@@ -262,7 +264,9 @@ class ReferenceMessager:
 
     def _send(self, engine_index: int, tokens: int) -> None:
         """Write blocks ``[sended_block_num, end)`` of every layer; finish after the last chunk."""
-        task = self._task(engine_index)
+        task = self._task(engine_index, tokens)
+        if task is None:
+            return
         block_size = self.bridge.block_size
         src, dest = task[META_SRC_BLOCKS], task[META_DEST_BLOCKS]
         last_chunk = tokens >= task["need_prefill_tokens"]
@@ -277,12 +281,21 @@ class ReferenceMessager:
         if last_chunk:
             self._finish(engine_index, task)
 
-    def _task(self, engine_index: int) -> dict[str, Any]:
-        """The slot's task as FastDeploy's sender reads it; a slot without one is a bug of the
-        integration, and raises as FastDeploy's assertion does."""
+    def _task(self, engine_index: int, tokens: int) -> dict[str, Any] | None:
+        """The slot's task as FastDeploy's sender reads it; in FastDeploy's layout a slot
+        without one is a bug of the integration, and raises as FastDeploy's assertion does.
+
+        With the adder in another process, batches reach this queue from two processes, and
+        no lock orders them: a batch the adder recovered can arrive after a later chunk's batch
+        that already finished the request. Its task is gone from Redis then, and its blocks were
+        sent with the later chunk's: it is skipped and counted in ``stale``."""
         task = self.idx_cache_task_dict.get(engine_index)
         if task is None and self.tasks_from_buffer:
             task = self._task_from_buffer(engine_index)
+            if task is None:
+                logger.info("batch (%d, %d) came after its request finished: skipped", engine_index, tokens)
+                self.stale.append((engine_index, tokens))
+                return None
         assert task is not None, f"engine_index {engine_index} not in idx_cache_task_dict"
         return task
 
