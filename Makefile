@@ -15,11 +15,12 @@ $(STAMP): pyproject.toml
 
 # The tests start their own redis-server, redis-sentinel and cluster processes on free ports
 # (one redis-server under valgrind, for the instruction counts, and one under an en_US.UTF-8
-# collation built from the locales package's sources);
+# collation built from the locales package's sources), and promtool (Debian's prometheus package)
+# checks deploy/'s alerting rules;
 # this makes sure the binaries exist (installing Debian's packages when we are root).
 servers:
 	@missing=""; \
-	for tool in redis-server redis-cli redis-sentinel redis-benchmark docker-compose openssl valgrind callgrind_control; do \
+	for tool in redis-server redis-cli redis-sentinel redis-benchmark docker-compose openssl valgrind callgrind_control promtool; do \
 	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \
 	done; \
 	test -f /usr/share/i18n/locales/en_US || missing="$$missing locales"; \
@@ -27,9 +28,9 @@ servers:
 	  echo "missing:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools redis-sentinel docker-compose openssl valgrind locales >/dev/null; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools redis-sentinel docker-compose openssl valgrind locales prometheus >/dev/null; \
 	  else \
-	    echo "install them: sudo apt-get install redis-server redis-tools redis-sentinel docker-compose openssl valgrind locales" >&2; exit 1; \
+	    echo "install them: sudo apt-get install redis-server redis-tools redis-sentinel docker-compose openssl valgrind locales prometheus" >&2; exit 1; \
 	  fi; \
 	fi
 
