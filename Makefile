@@ -15,12 +15,12 @@ $(STAMP): pyproject.toml
 
 # The tests start their own redis-server, redis-sentinel and cluster processes on free ports
 # (one redis-server under valgrind, for the instruction counts, and one under an en_US.UTF-8
-# collation built from the locales package's sources), and promtool (Debian's prometheus package)
-# checks deploy/'s alerting rules;
+# collation built from the locales package's sources), and Debian's prometheus package (promtool
+# checks deploy/'s rules, prometheus runs the compose observability profile);
 # this makes sure the binaries exist (installing Debian's packages when we are root).
 servers:
 	@missing=""; \
-	for tool in redis-server redis-cli redis-sentinel redis-benchmark docker-compose openssl valgrind callgrind_control promtool; do \
+	for tool in redis-server redis-cli redis-sentinel redis-benchmark docker-compose openssl valgrind callgrind_control promtool prometheus; do \
 	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \
 	done; \
 	test -f /usr/share/i18n/locales/en_US || missing="$$missing locales"; \
