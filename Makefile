@@ -1,11 +1,12 @@
-# Two commands matter: `make demo` and `make test`. Both create the environment they need.
+# Two commands matter: `make demo` and `make test`. Both create the environment they need
+# (`make docs` builds the documentation site into site/).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint typecheck pytest servers bench clean
+.PHONY: demo test lint typecheck pytest servers bench docs docs-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,7 +39,7 @@ demo: $(STAMP)
 	$(BIN)/python -m redis_layer_signals simulate
 
 lint: $(STAMP)
-	$(BIN)/ruff check redis_layer_signals tests benchmarks
+	$(BIN)/ruff check redis_layer_signals tests benchmarks docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict redis_layer_signals
@@ -46,10 +47,18 @@ typecheck: $(STAMP)
 pytest: $(STAMP) servers
 	$(BIN)/pytest
 
-test: lint typecheck pytest
+test: lint typecheck docs-check pytest
+
+# The documentation site (mkdocs.yml, docs/): `make docs` builds it into site/; `make test` builds
+# it with --strict, so a broken link or a missing API reference fails the run.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-check: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 bench: $(STAMP) servers
 	$(BIN)/python -m redis_layer_signals bench
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
