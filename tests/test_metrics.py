@@ -13,6 +13,7 @@ import pytest
 from redis_layer_signals import CacheTask, DropReason, SignalBuffer
 from redis_layer_signals.metrics import BufferMetrics, CounterSample, counter_sample
 from tests.servers import RedisServer, free_port, wait_until
+from tests.topology import ClusterTopology
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -157,3 +158,21 @@ def test_rls_metrics_serves_the_namespace_counters_over_http(redis_server: Redis
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_every_rank_of_a_cluster_is_read_from_the_node_that_holds_it(cluster: ClusterTopology, namespace: str) -> None:
+    """The ranks' stats hashes live on different primaries; the exporter finds every one."""
+    metrics = BufferMetrics()
+    buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+    metrics.track(buf)
+    pairs = [(f"p{i}", rank) for i in range(4) for rank in range(2)]
+    for n, (instance, rank) in enumerate(pairs, start=1):
+        buf.record(instance, rank, 0, [(slot, 10) for slot in range(n)])
+    holders = {cluster.node_for_key(buf.protocol.keys.rank(i, r).stats).port for i, r in pairs}
+    assert len(holders) >= 2  # otherwise this test would not cover more than one node
+
+    text = metrics.render().decode()
+    assert sample(text, "rls_up", namespace=namespace) == 1
+    for n, (instance, rank) in enumerate(pairs, start=1):
+        assert sample(text, "rls_buffered_total", namespace=namespace, instance=instance, rank=str(rank)) == n
+    buf.close()
