@@ -97,8 +97,20 @@ def simulate_command(
     chaos_fsync: Annotated[str, typer.Option(help="appendfsync of the --chaos Redis: always, everysec, off.")] = (
         "always"
     ),
+    chaos_outage: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead: an outage of an own Redis under the FastDeploy reference messager, "
+            "restarted empty, from its aof, or never (needs the paddle extra)."
+        ),
+    ] = None,
+    chaos_down_s: Annotated[float, typer.Option(min=0.1, help="How long a --chaos-outage lasts.")] = 2.0,
+    chaos_retry_s: Annotated[float, typer.Option(min=0.05, help="retry_s of the buffer in --chaos-outage.")] = 0.5,
 ) -> None:
     """A PD deployment in miniature: proves every layer of every chunk is sent exactly once."""
+    if chaos_outage is not None:  # see fastdeploy/outage.py
+        outage_run(chaos_outage, requests, layers, seed, chaos_retry_s, chaos_down_s, json_path)
+        return
     config = SimConfig(
         url=redis,
         namespace=namespace,
@@ -122,6 +134,13 @@ def simulate_command(
         out.print(f"chaos on {faults.target}: {len(faults.faults)} faults ({', '.join(sorted(set(faults.faults)))})")
         for failure in faults.failed:
             err.print(f"  chaos fault not applied: {failure}", markup=False)
+        if not faults.faults:
+            out.print(table(summary))
+            err.print(
+                "[red]FAILED[/red]: no fault was injected, so this chaos run proves nothing "
+                "(the run ended before its fault window: raise --requests)"
+            )
+            raise typer.Exit(EXIT_FAILED)
     else:
         summary = run_simulation(config)
     finish_run(summary, json_path)
@@ -140,6 +159,49 @@ def run_simulation(config: SimConfig, on_progress: Callable[[int], None] | None 
                 on_progress(n)
 
         return simulate(config, tick)
+
+
+def outage_run(
+    restart: str, requests: int, layers: int, seed: int, retry_s: float, down_s: float, json_path: Path | None
+) -> None:
+    """``simulate --chaos-outage``: the FastDeploy reference messager through a Redis outage."""
+    from .fastdeploy.outage import run_outage
+
+    err.print(f"reference messager, {requests} requests, Redis SIGKILLed for {down_s}s, restart: {restart}")
+    report = run_outage(restart, requests=requests, seed=seed, layers=layers, retry_s=retry_s, down_s=down_s)
+    outcome, health = report.outcome, report.outcome.health
+    figures = {
+        "restart": restart,
+        "killed_at_step": report.killed_at_step,
+        "down_s": round(report.down_s, 2),
+        "requests": len(outcome.plans),
+        "finished": len(outcome.finished),
+        "acknowledged": len(outcome.acks & {p.request.request_id for p in outcome.plans}),
+        "block_writes": sum(outcome.block_writes.values()),
+        "expected_block_writes": len(outcome.expected()),
+        "layer0_signals": outcome.layer0_signals(),
+        "calls_served_locally": sum(health.local_calls.values()),
+        "entries_written_back": health.reconciled_entries,
+        "degraded_s": round(health.degraded_seconds, 2),
+        "counters_before_kill": {k: v for k, v in report.before.items() if v},
+        "counters_at_end": {k: v for k, v in (outcome.stats or {}).items() if v} if outcome.stats else None,
+        "decided_locally_not_written_back": outcome.local_counts,
+        "problems": report.problems(),
+    }
+    grid = Table("figure", "value")
+    for name, value in figures.items():
+        grid.add_row(name, str(value))
+    out.print(grid)
+    if json_path is not None:
+        json_path.write_text(json.dumps(figures, indent=2) + "\n")
+    if figures["problems"]:
+        err.print(f"[red]FAILED[/red]: {len(report.problems())} problem(s)")
+        for line in clip(report.problems()):
+            err.print(f"  - {line}", markup=False)
+        raise typer.Exit(EXIT_FAILED)
+    out.print(
+        "[green]OK[/green]: every request finished and acknowledged, every block sent once, every signal counted once"
+    )
 
 
 def finish_run(summary: Summary, json_path: Path | None) -> None:

@@ -37,6 +37,12 @@ COUNTERS = (
     "replaced",
     "reregistered",
     "replayed",
+    # Added by the FastDeploy bridge when an outage ends (fastdeploy/bridge.py).
+    "degraded_ms",
+    "served_locally",
+    "reconciled",
 )
 """Counters a namespace reports. ``buffered`` signals end as recovered, dropped_*,
-finish_dropped, superseded or expired (or are still pending): invariant 1 in numbers."""
+finish_dropped, superseded or expired (or are still pending): invariant 1 in numbers.
+``degraded_ms``, ``served_locally`` and ``reconciled`` count the FastDeploy bridge's outages:
+milliseconds served without Redis, hook calls served so, entries written back after."""

@@ -40,11 +40,10 @@ DROPPED_PREFIX = "dropped_"
 """``dropped_<reason>`` fields become one ``rls_dropped_total`` counter with a ``reason`` label."""
 MILLISECONDS_SUFFIX = "_ms"
 """``<name>_ms`` fields are durations: exported as ``rls_<name>_seconds_total``, in seconds."""
-BRIDGE_COUNTERS = ("degraded_ms", "served_locally", "reconciled")
-"""Fields the FastDeploy bridge adds to its rank's stats hash when it reconciles after an outage:
-time spent degraded, calls it served from its own process meanwhile, entries it wrote back."""
-EXPORTED_FIELDS = (*COUNTERS, *BRIDGE_COUNTERS)
-"""Every rank reports these (0 until they happen), so every series of the dashboard exists."""
+EXPORTED_FIELDS = COUNTERS
+"""Every rank reports these (0 until they happen), so every series of the dashboard exists; they
+include the fields the FastDeploy bridge adds when it reconciles after an outage (``degraded_ms``,
+``served_locally``, ``reconciled``)."""
 
 HELP = {
     "recorded": "Signals accepted by record (delivered + buffered)",

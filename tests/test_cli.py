@@ -237,3 +237,26 @@ def test_module_and_help_list_every_command() -> None:
     assert done.returncode == 0
     for command in ("simulate", "inspect", "stats", "purge", "metrics", "node", "registrar"):
         assert command in done.stdout
+
+
+def test_simulate_chaos_that_injected_no_fault_says_so_and_fails() -> None:
+    """A chaos run whose faults never landed has proven nothing: one request per rank ends the
+    run before its fault window opens."""
+    done = rls("simulate", "--chaos", "--requests", "1", "--ranks", "1", "--instances", "1", "--layers", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "0 faults" in done.stdout and "no fault was injected" in done.stderr
+
+
+def test_simulate_chaos_outage_reports_figures_and_passes(tmp_path: Path) -> None:
+    """``--chaos-outage``: the FastDeploy reference messager through a Redis outage, with its
+    figures on stdout and in the JSON."""
+    out = tmp_path / "outage.json"
+    args = ("--chaos-outage", "aof", "--requests", "12", "--layers", "2", "--chaos-retry-s", "0.3")
+    done = rls("simulate", *args, "--chaos-down-s", "1.2", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(out.read_text())
+    assert figures["finished"] == figures["acknowledged"] == figures["requests"] == 12
+    assert figures["block_writes"] == figures["expected_block_writes"] > 0
+    assert figures["calls_served_locally"] > 0 and figures["entries_written_back"] > 0
+    assert figures["down_s"] >= 1.2 and figures["problems"] == []
+    assert "every signal counted once" in done.stdout

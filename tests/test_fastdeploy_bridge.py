@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from redis_layer_signals import BufferUnavailable, InvalidConfig, InvalidSignal, InvalidTask, SignalBuffer
+from redis_layer_signals import InvalidConfig, InvalidTask, SignalBuffer
 from redis_layer_signals.fastdeploy import KV_SIGNAL_LENGTH, KvSignal, Layer0Bridge
 from redis_layer_signals.fastdeploy.bridge import block_ids
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
@@ -128,24 +128,26 @@ def test_finish_of_an_aborted_request_drops_its_early_signal(bridge: Layer0Bridg
     assert bridge.on_cache_task(cache_info(slot=5, request_id="req-2")) == []
 
 
-@pytest.mark.parametrize(
-    ("change", "field"),
-    [
-        ({"request_id": None}, "request_id"),
-        ({"request_id": "bad id"}, "request_id"),
-        ({"current_id": "5"}, "current_id"),
-        ({"current_id": True}, "current_id"),
-        ({"current_id": 512}, "slot"),
-        ({"need_prefill_tokens": 1.5}, "need_prefill_tokens"),
-        ({"need_prefill_tokens": -1}, "need_prefill_tokens"),
-        ({"decode_cached_tokens": "0"}, "decode_cached_tokens"),
-        ({"src_block_ids": "0,1"}, "src_block_ids"),
-        ({"dest_block_ids": [100, "x"]}, "dest_block_ids[1]"),
-    ],
-)
-def test_bad_cache_info_raises_invalid_task_and_writes_nothing(
-    bridge: Layer0Bridge, buf: SignalBuffer, change: dict[str, Any], field: str
+BAD_CACHE_INFOS = [
+    ({"request_id": None}, "request_id"),
+    ({"request_id": "bad id"}, "request_id"),
+    ({"current_id": "5"}, "current_id"),
+    ({"current_id": True}, "current_id"),
+    ({"current_id": 512}, "slot"),
+    ({"need_prefill_tokens": 1.5}, "need_prefill_tokens"),
+    ({"need_prefill_tokens": -1}, "need_prefill_tokens"),
+    ({"decode_cached_tokens": "0"}, "decode_cached_tokens"),
+    ({"src_block_ids": "0,1"}, "src_block_ids"),
+    ({"dest_block_ids": [100, "x"]}, "dest_block_ids[1]"),
+]
+
+
+@pytest.mark.parametrize(("change", "field"), BAD_CACHE_INFOS)
+def test_bad_cache_info_is_named_logged_and_writes_nothing(
+    bridge: Layer0Bridge, buf: SignalBuffer, change: dict[str, Any], field: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The mapping raises InvalidTask naming the field; the hook, which must never raise into
+    FastDeploy's loop, logs it, counts it and leaves Redis and the local state untouched."""
     info = cache_info(slot=5)
     for key, value in change.items():
         if value is None:
@@ -153,25 +155,35 @@ def test_bad_cache_info_raises_invalid_task_and_writes_nothing(
         else:
             info[key] = value
     with pytest.raises(InvalidTask) as caught:
-        bridge.on_cache_task(info)
+        bridge.cache_task(info)
     assert caught.value.field == field and isinstance(caught.value, ValueError)
-    assert buf.task("p0", 0, 5) is None
+    with caplog.at_level(logging.ERROR, logger="redis_layer_signals.fastdeploy"):
+        assert bridge.on_cache_task(info) == []
+    assert field in caplog.text
+    assert bridge.health().errors == {"on_cache_task": 1}
+    assert buf.task("p0", 0, 5) is None and bridge.local.tasks == {}
     assert buf.stats()["registered"] == 0
 
 
 def test_cache_info_that_is_not_a_mapping_is_refused(bridge: Layer0Bridge) -> None:
     with pytest.raises(InvalidTask) as caught:
-        bridge.on_cache_task([("request_id", "req-1")])  # type: ignore[arg-type]
+        bridge.cache_task([("request_id", "req-1")])  # type: ignore[arg-type]
     assert caught.value.field == "cache_info"
+    assert bridge.on_cache_task([("request_id", "req-1")]) == []  # type: ignore[arg-type]
 
 
-def test_malformed_signal_raises_and_records_nothing(bridge: Layer0Bridge, buf: SignalBuffer) -> None:
-    with pytest.raises(InvalidSignal):
-        bridge.on_kv_signal(kv(0, (5, 0, 128)).astype(np.int64))
-    with pytest.raises(InvalidSignal):
-        bridge.on_kv_signal(kv(0, (5, 0, 128), (600, 0, 1)))
+def test_malformed_signal_is_logged_once_and_records_nothing(
+    bridge: Layer0Bridge, buf: SignalBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="redis_layer_signals.fastdeploy"):
+        assert bridge.on_kv_signal(kv(0, (5, 0, 128)).astype(np.int64)) == []
+        assert bridge.on_kv_signal(kv(0, (5, 0, 128), (600, 0, 1))) == []
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1, "once per run of bad input"
+    assert bridge.health().errors == {"on_kv_signal": 2}
     assert buf.pending("p0", 0, 5) == []
     assert buf.stats()["recorded"] == 0
+    bridge.on_cache_task(cache_info(slot=5))
+    assert bridge.on_kv_signal(kv(0, (5, 0, 128))) == [(5, 128)]  # the hook goes on working
 
 
 @pytest.mark.parametrize(("option", "value"), [("block_size", 0), ("block_size", True), ("num_layers", 0)])
@@ -192,17 +204,24 @@ def test_ranks_and_instances_do_not_share_slots(bridge: Layer0Bridge, buf: Signa
     assert bridge.on_cache_task(cache_info(slot=5)) == [(5, 128)]
 
 
-def test_hooks_raise_buffer_unavailable_when_redis_is_gone() -> None:
-    """With Redis down past ``retry_s`` the hook raises (wrapping the cause) instead of
-    pretending the signal was handled: the caller sees the failure."""
+def test_hooks_serve_locally_when_redis_is_gone(caplog: pytest.LogCaptureFixture) -> None:
+    """With Redis down past ``retry_s`` no hook raises: the early signal waits in the process,
+    the task's registration hands it to the sender, and the episode is logged once, with the
+    cause."""
     with running() as server:
         buffer = SignalBuffer.from_url(server.url, namespace="gone", retry_s=0.3, env={})
-        bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS)
-        assert bridge.on_kv_signal(kv(0, (5, 0, 128))) == []
+        bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, probe_s=60)
         server.kill()
-        with pytest.raises(BufferUnavailable) as caught:
-            bridge.on_kv_signal(kv(0, (6, 0, 128)))
-        assert caught.value.__cause__ is not None
-        with pytest.raises(BufferUnavailable):
-            bridge.on_cache_task(cache_info(slot=5))
+        with caplog.at_level(logging.WARNING, logger="redis_layer_signals.fastdeploy"):
+            assert bridge.on_kv_signal(kv(0, (6, 0, 128))) == []
+            assert bridge.on_cache_task(cache_info(slot=6, need=128)) == [(6, 128)]
+            finished = bridge.on_task_finished(6, "req-1")
+        assert (finished.removed, finished.fenced) == (True, False)
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "Connection refused" in warnings[0].getMessage()
+        health = bridge.health()
+        assert health.degraded and health.journal == 3
+        assert health.local_calls == {"on_kv_signal": 1, "on_cache_task": 1, "on_task_finished": 1}
+        assert bridge.ready.get_nowait() == [(6, 128)]
+        bridge.close()
         buffer.close()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from redis_layer_signals.fastdeploy.workload import ORDERS, Outcome, make_plans, run
+from redis_layer_signals.fastdeploy.health import BridgeHealth
+from redis_layer_signals.fastdeploy.workload import ORDERS, Outcome, Plan, make_plans, run
 from tests.servers import RedisServer
 from tests.topology import ClusterTopology
 
@@ -42,7 +44,9 @@ def assert_nothing_lost(outcome: Outcome) -> None:
     assert outcome.problems() == []
 
     stats = outcome.stats
+    assert stats is not None
     dropped = sum(v for k, v in stats.items() if k.startswith("dropped_"))
+    assert stats["recorded"] == outcome.layer0_signals(), "every layer-0 entry the GPU emitted, recorded once"
     assert stats["recorded"] == stats["delivered"] + stats["buffered"]
     assert stats["buffered"] == stats["recovered"] + stats["superseded"] + dropped + stats["finish_dropped"]
     assert (dropped, stats["expired"], stats["finish_dropped"]) == (0, 0, 0)
@@ -84,15 +88,54 @@ def test_command_line_run_with_adder_process_reports_nothing_lost(redis_server: 
     assert "requests finished: 12/12" in done.stdout and "lost nothing" in done.stdout
 
 
+def outcome(plans: list[Plan], finished: set[str], writes: dict[tuple[int, int, int], int], **changes: Any) -> Outcome:
+    ids = {p.request.request_id for p in plans}
+    health = BridgeHealth(False, 0, 0.0, {}, 0, 0, {}, 0)
+    fields: dict[str, Any] = {
+        "plans": plans,
+        "layers": 1,
+        "finished": finished,
+        "acks": ids,
+        "block_writes": writes,
+        "premature": 0,
+        "errors": 0,
+        "stats": {},
+        "local_counts": {},
+        "local_pending": 0,
+        "health": health,
+        "alive_at_end": True,
+        "seconds": 0.0,
+    }
+    return Outcome(**{**fields, **changes})
+
+
 def test_outcome_reports_a_lost_request() -> None:
-    """The report the command line prints is not vacuous: a missing write and an unfinished
-    request are named."""
+    """The report the command line prints is not vacuous: a missing write, an unfinished
+    request, a missing acknowledgement and a stopped thread are named."""
     plans = make_plans(1, 2)
-    complete = Outcome(plans, 1, {"req-0", "req-1"}, {}, 0, 0, {}, 0.0)
-    writes = dict.fromkeys(complete.expected(), 1)
-    assert Outcome(plans, 1, {"req-0", "req-1"}, writes, 0, 0, {}, 0.0).problems() == []
+    both = {"req-0", "req-1"}
+    writes = dict.fromkeys(outcome(plans, both, {}).expected(), 1)
+    assert outcome(plans, both, writes).problems() == []
     first = next(iter(writes))
-    broken = Outcome(plans, 1, {"req-0"}, {**writes, first: 2}, 0, 0, {}, 0.0)
+    broken = outcome(plans, {"req-0"}, {**writes, first: 2})
     assert broken.problems() == ["1 requests never finished", "1 blocks written more than once"]
+    unacked = outcome(plans, both, writes, acks={"req-1"}, alive_at_end=False)
+    assert unacked.problems() == [
+        "1 'task added' acknowledgements never sent",
+        "the messager's threads stopped serving",
+    ]
     del writes[first]
-    assert Outcome(plans, 1, {"req-0", "req-1"}, writes, 0, 0, {}, 0.0).problems() == ["1 block writes missing"]
+    assert outcome(plans, both, writes).problems() == ["1 block writes missing"]
+
+
+@pytest.mark.timeout(240)
+def test_racing_mix_a_hundred_times_never_lets_a_batch_overtake_its_slot(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """With every bridge call outside FastDeploy's lock, a recovered batch must still reach the
+    sender before any later batch of its slot: if it came after a later chunk's batch that
+    finished the request, the sender's assertion (FastDeploy's own) would fail on the missing
+    task, and the run would report a thread error. A hundred seeded mixes on a real Redis."""
+    for seed in range(100):
+        outcome = run(redis_server.url, f"{namespace}-{seed}", requests=8, seed=seed, layers=2, timeout_s=WAIT_S)
+        assert outcome.problems() == [], (seed, outcome.problems())

@@ -110,6 +110,13 @@ class LocalRedis:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=STOP_TIMEOUT_S)
 
+    def wipe(self) -> None:
+        """Remove the data files (AOF, RDB) of a stopped server, keeping its log: the next
+        ``start`` comes up empty, as a node replaced with a fresh disk."""
+        for entry in Path(self.dir).iterdir():
+            if entry != self.logfile:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()

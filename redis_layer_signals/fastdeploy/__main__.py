@@ -35,10 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = outcome.stats
     print(f"requests finished: {len(outcome.finished)}/{len(outcome.plans)} in {outcome.seconds:.2f}s")
     print(f"block writes: {sum(outcome.block_writes.values())} (expected {len(outcome.expected())})")
-    print(
-        f"layer-0 signals: {stats['recorded']} recorded, {stats['delivered']} delivered at once, "
-        f"{stats['recovered']} recovered by registration, {stats['superseded']} superseded"
-    )
+    if stats is None:
+        print("layer-0 signals: Redis could not be read at the end")
+    else:
+        print(
+            f"layer-0 signals: {stats['recorded']} recorded, {stats['delivered']} delivered at once, "
+            f"{stats['recovered']} recovered by registration, {stats['superseded']} superseded"
+        )
     problems = outcome.problems()
     print("lost nothing" if not problems else "PROBLEMS: " + "; ".join(problems))
     return 1 if problems else 0

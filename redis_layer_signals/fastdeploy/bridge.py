@@ -2,24 +2,46 @@
 
 ``CacheMessagerV1`` queues a batch ``[(engine_idx, prefilled_token_num), ...]`` for its
 layer-wise sender whenever a layer-0 signal arrives. A layer-0 signal that arrives before its
-cache task used to be lost; :class:`Layer0Bridge` records it in the buffer instead, and the
-task's registration pops it back, atomically, so each layer-0 batch reaches the sender exactly
-once whichever side came first, even when the signal consumer and the task adder run in
-different processes or hosts.
+cache task used to be lost; FastDeploy's fix keeps it in a dict of its process.
+:class:`Layer0Bridge` records it in the buffer instead, and the task's registration pops it
+back, atomically, so each layer-0 batch reaches the sender exactly once whichever side came
+first, even when the signal consumer and the task adder run in different processes or hosts.
+
+Three promises to FastDeploy's loops:
+
+- **The hooks never raise.** An error is logged (once per episode, with its cause), counted in
+  :meth:`Layer0Bridge.health`, and the loop goes on.
+- **Never less available than FastDeploy's own fix.** When Redis cannot be reached within the
+  buffer's ``retry_s``, the bridge serves its process from :class:`~.local.LocalState` with the
+  semantics of that fix, and a background thread writes what it decided back to Redis once
+  Redis answers (:mod:`.journal`), so other processes, ``rls inspect`` and the counters are
+  right again, and nothing handled locally is handed out a second time.
+- **Order per slot.** The bridge puts batches on the sender's queue itself, under a lock of its
+  own that is never held across a Redis round trip: a batch a registration recovers is queued
+  before any later batch of its slot, and a batch the sender already has something as far
+  along for is not queued again.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
+import queue
+import threading
+import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from .. import validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
-from ..errors import InvalidConfig, InvalidTask
-from ..models import CacheTask, FinishResult
-from .signals import KvSignal, decode_kv_signal
+from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
+from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .health import BridgeHealth
+from .journal import FinishOp, Operation, RecordOp, RegisterOp, entries_in, replay
+from .local import EarlySignal, LocalState
+from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
 
 logger = logging.getLogger(__name__)
 
@@ -28,21 +50,38 @@ Batch = list[tuple[int, int]]
 
 DEFAULT_BLOCK_SIZE = 64
 """FastDeploy's default KV-cache block size in tokens."""
-SIGNAL_LAYER = 0
-"""Only layer-0 signals start a send; later layers just advance progress."""
+DEFAULT_PROBE_S = 0.5
+"""While degraded, how often the bridge tries to reach Redis and write back what it decided."""
 META_SRC_BLOCKS = "src_block_ids"
 META_DEST_BLOCKS = "dest_block_ids"
 """Task meta fields holding the block ids, comma-joined, so a sender in another process can
 read where to write from the buffer alone."""
 META_PASSTHROUGH = ("transfer_protocol", "ip")
 """Scalar ``cache_info`` fields copied into the task meta when present, for operators."""
+STATS_DEGRADED_MS, STATS_SERVED_LOCALLY, STATS_RECONCILED = "degraded_ms", "served_locally", "reconciled"
+"""Fields the bridge adds to its rank's ``stats`` hash when an episode ends."""
+
+
+class QueueLike(Protocol):
+    """Either a ``queue.Queue`` or a ``multiprocessing`` queue."""
+
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
 
 
 class Layer0Bridge:
     """Routes ``CacheMessagerV1``'s layer-0 signals and cache tasks through a :class:`SignalBuffer`.
 
     ``rank`` is the messager's ``rank_id`` (``rank + local_data_parallel_id * nranks``), the
-    same number FastDeploy reads signals with. Every method is safe to call from any thread.
+    same number FastDeploy reads signals with. ``ready`` is the sender's queue
+    (``cache_prefilled_engine_ids_queue``): the bridge puts every batch on it itself (a queue
+    of its own when not given). ``registers_tasks`` says that this bridge registers every task
+    of its instance and rank, as in FastDeploy, where one process runs the signal consumer,
+    the task adder and the sender: the bridge then queues a signal only for a task this process
+    registered, as FastDeploy's sender requires. Pass False to the bridges of a deployment whose
+    adder runs in another process (see :func:`.reference.run_adder_process`). Every method is
+    safe to call from any thread, and none raises.
     """
 
     def __init__(
@@ -53,60 +92,198 @@ class Layer0Bridge:
         block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         num_layers: int,
+        ready: QueueLike | None = None,
+        registers_tasks: bool = True,
+        probe_s: float = DEFAULT_PROBE_S,
     ) -> None:
         validation.integer(block_size, "block_size", InvalidConfig, 1, MAX_INT)
         validation.integer(num_layers, "num_layers", InvalidConfig, 1, MAX_INT)
+        if not isinstance(probe_s, (int, float)) or isinstance(probe_s, bool) or not 0 < probe_s <= 60:
+            raise InvalidConfig("probe_s", probe_s, "must be a number of seconds in (0, 60]")
         self.buffer = buffer
         self.instance = instance
         self.rank = rank
         self.block_size = block_size
         self.num_layers = num_layers
+        self.ready: QueueLike = ready if ready is not None else queue.Queue()
+        self.registers_tasks = registers_tasks
+        self.probe_s = float(probe_s)
+        self.local = LocalState()
+        self._pending_ttl_ms = round(buffer.config.pending_ttl_s * 1000)
+        self._lock = threading.Lock()
+        self._gates: dict[int, Batch] = {}
+        """Slots whose registration is on its way to Redis: later batches wait here."""
+        self._journal: collections.deque[Operation] = collections.deque()
+        self._degraded_since: float | None = None
+        self._degraded_total = 0.0
+        self._episodes = 0
+        self._episode_calls = 0
+        self._episode_reconciled = 0
+        self._local_calls: collections.Counter[str] = collections.Counter()
+        self._errors: collections.Counter[str] = collections.Counter()
+        self._reconciled = 0
+        self._suppressed = 0
+        self._logged_invalid: set[str] = set()
+        self._closed = threading.Event()
+        self._reconciler: threading.Thread | None = None
+        self._replaying = threading.Lock()
+        """One writer at a time: a journaled operation is replayed once."""
 
-    def on_kv_signal(self, kv_signal_data: Any) -> Batch:
-        """In ``consume_signals``: record a layer-0 message and return the batch to queue now.
+    # -- the three hooks ------------------------------------------------------------------
 
-        Takes the raw ``kv_signal_data`` tensor or an already decoded :class:`KvSignal`. Slots
-        whose task is live come back at once; the others wait in the buffer for their task.
-        Empty reads and later layers return ``[]`` and touch nothing.
+    def on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None = None) -> Batch:
+        """In ``consume_signals``, outside FastDeploy's lock: record a layer-0 message.
+
+        Takes the raw ``kv_signal_data`` tensor or an already decoded :class:`KvSignal`. Queues
+        the entries whose task is live and returns them (already queued: for logs); the others
+        wait for their task. Empty reads and later layers return ``[]`` and touch nothing.
+
+        ``request_ids`` (slot -> the request the GPU computed in that slot) is what FastDeploy's
+        signal does not carry today: with it, a signal is only ever handed to its own request
+        (a late signal of an aborted request is dropped as ``request_mismatch`` instead of
+        being recovered by the next request on the slot).
         """
-        entries = layer0_entries(kv_signal_data)
+        operation = "on_kv_signal"
+        try:
+            entries: list[tuple[Any, ...]] = list(layer0_entries(kv_signal_data))
+            if request_ids is not None:
+                entries = [(slot, tokens, request_ids.get(slot)) for slot, tokens in entries]
+        except InvalidSignal as exc:
+            self._invalid(operation, exc)
+            return []
         if not entries:
             return []
-        result = self.buffer.record(self.instance, self.rank, SIGNAL_LAYER, entries)
-        if result.buffered:
-            logger.debug("buffered early layer-0 signals for slots %s", [s.slot for s in result.buffered])
-        return [(s.slot, s.tokens) for s in result.delivered]
+        with self._lock:
+            if self._degraded_since is not None:
+                return self._record_locally(entries)
+        try:
+            result = self.buffer.record(self.instance, self.rank, SIGNAL_LAYER, entries)
+        except Exception as exc:
+            with self._lock:
+                self._degrade(operation, exc)
+                return self._record_locally(entries)
+        self._logged_invalid.discard(operation)
+        with self._lock:
+            queued, repair = self._settle_record(result)
+        for task in repair:
+            self._repair(task)
+        return queued
 
     def on_cache_task(self, cache_info: Mapping[str, Any]) -> Batch:
-        """In ``_add_cache_task_thread``, once both halves are merged: register, return recovery.
+        """In ``_add_cache_task_thread``, once both halves are merged and the task is in
+        ``idx_cache_task_dict``, outside FastDeploy's lock: register the task and queue the
+        layer-0 batch that waited for it (returned too, already queued; ``[]`` if none).
 
-        The returned batch holds the slot's early layer-0 signal when one was waiting (empty
-        otherwise); put it on ``cache_prefilled_engine_ids_queue``. Signals the buffer refused
-        (over ``need_prefill_tokens``, expired, ...) are logged with their reason.
+        A slot still held by another request is taken over, as FastDeploy overwrites it, with
+        a warning naming both requests. Early signals the buffer refused (over
+        ``need_prefill_tokens``, expired, ...) are logged with their reason.
         """
-        task = self.cache_task(cache_info)
-        result = self.buffer.register(task)
-        for signal, reason in result.dropped:
-            logger.warning(
-                "dropped early layer-%d signal of slot %d (%d tokens) for request %s: %s",
-                signal.layer,
-                signal.slot,
-                signal.tokens,
-                task.request_id,
-                reason.value,
-            )
-        return [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
+        operation = "on_cache_task"
+        try:
+            task = self.cache_task(cache_info)
+        except InvalidTask as exc:
+            self._invalid(operation, exc)
+            return []
+        slot = task.slot
+        with self._lock:
+            if self._degraded_since is not None:
+                return self._register_locally(task)
+            self._gates.setdefault(slot, [])
+        try:
+            result = self._register(task)
+        except Exception as exc:
+            with self._lock:
+                self._degrade(operation, exc)
+                held = self._gates.pop(slot, [])
+                queued = self._register_locally(task)
+                return queued + self._queue(held)
+        self._logged_invalid.discard(operation)
+        with self._lock:
+            return self._settle_register(task, result)
 
     def on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
-        """Where the sender deletes ``idx_cache_task_dict[current_id]``: release the slot.
-
-        Fenced by ``request_id``: a late call for an older request never touches the request
-        that now holds the slot. Also drops signals still waiting for an aborted request.
-        """
-        result = self.buffer.finish(self.instance, self.rank, current_id, request_id)
+        """In the sender, for each request it completed, before FastDeploy's lock block that
+        reports it (``put_finished_req``) and deletes ``idx_cache_task_dict[current_id]``:
+        release the slot, fenced by ``request_id`` (a late call for an older request never
+        touches the request that now holds the slot), and drop signals still waiting for an
+        aborted request. Returns what happened (decided locally while degraded)."""
+        operation = "on_task_finished"
+        try:
+            validation.slot(current_id, self.buffer.config.max_slots, InvalidTask)
+            validation.identifier(request_id, "request_id", InvalidTask)
+        except InvalidTask as exc:
+            self._invalid(operation, exc)
+            return FinishResult(removed=False, dropped=0, fenced=False)
+        with self._lock:
+            if self._degraded_since is not None:
+                return self._finish_locally(current_id, request_id)
+            self.local.finish(current_id, request_id)
+        try:
+            result = self.buffer.finish(self.instance, self.rank, current_id, request_id)
+        except Exception as exc:
+            with self._lock:
+                self._degrade(operation, exc)
+                self._note_local(operation, FinishOp(current_id, request_id))
+            return FinishResult(removed=False, dropped=0, fenced=False)
         if result.fenced:
             logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
         return result
+
+    # -- state ----------------------------------------------------------------------------
+
+    def health(self) -> BridgeHealth:
+        with self._lock:
+            since = self._degraded_since
+            current = time.monotonic() - since if since is not None else 0.0
+            return BridgeHealth(
+                degraded=since is not None,
+                episodes=self._episodes,
+                degraded_seconds=self._degraded_total + current,
+                local_calls=dict(self._local_calls),
+                reconciled_entries=self._reconciled,
+                journal=len(self._journal),
+                errors=dict(self._errors),
+                suppressed=self._suppressed,
+            )
+
+    def reconcile(self) -> bool:
+        """Write back what was decided locally, if Redis answers; True once the bridge serves
+        from Redis again (also when it was never degraded). The background thread calls this
+        every ``probe_s`` while degraded; calling it yourself is harmless."""
+        with self._replaying:
+            return self._reconcile()
+
+    def _reconcile(self) -> bool:
+        while True:
+            with self._lock:
+                if self._degraded_since is None:
+                    return True
+                op = self._journal[0] if self._journal else None
+            if op is None:
+                self._restore_tasks()
+                with self._lock:
+                    if self._journal:
+                        continue  # served something locally meanwhile: write that back too
+                    episode = self._end_episode()
+                self._write_episode(*episode)
+                return True
+            handed = replay(self.buffer, self.instance, self.rank, op)
+            with self._lock:
+                self._journal.popleft()
+                moved = entries_in(op)
+                self._reconciled += moved
+                self._episode_reconciled += moved
+                if not self.registers_tasks:
+                    # Nothing of these was queued here: the task or the signal was in another process.
+                    self._queue(handed)
+
+    def close(self) -> None:
+        """Stop the background writer (what is not written back yet stays unwritten)."""
+        self._closed.set()
+        if self._reconciler is not None:
+            self._reconciler.join(5)
+
+    # -- mapping ---------------------------------------------------------------------------
 
     def cache_task(self, cache_info: Mapping[str, Any]) -> CacheTask:
         """Map FastDeploy's merged ``cache_info`` dict to a :class:`CacheTask` (no I/O)."""
@@ -120,7 +297,7 @@ class Layer0Bridge:
             value = cache_info.get(field)
             if isinstance(value, str):
                 meta[field] = value
-        return CacheTask(
+        task = CacheTask(
             instance=self.instance,
             rank=self.rank,
             slot=_int_field(cache_info, "current_id"),
@@ -130,6 +307,263 @@ class Layer0Bridge:
             decode_cached_tokens=_int_field(cache_info, "decode_cached_tokens", default=0),
             meta=meta,
         )
+        self.buffer.protocol.task_keys(task)  # every field checked here, before any state changes
+        return task
+
+    # -- from Redis (callers hold no lock but where it says "under the lock") --------------
+
+    def _register(self, task: CacheTask) -> RegisterResult:
+        try:
+            return self.buffer.register(task)
+        except SlotOccupied as occupied:
+            logger.warning(
+                "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
+                task.slot,
+                self.instance,
+                self.rank,
+                occupied.holder,
+                task.request_id,
+            )
+            return self.buffer.register(task, replace=True)
+
+    def _settle_record(self, result: RecordResult) -> tuple[Batch, list[CacheTask]]:
+        """Under the lock: queue what Redis delivered; keep a copy of what it buffered. Returns
+        the batch queued and the tasks of this process that Redis has lost (to register again)."""
+        deliver: Batch = []
+        repair: list[CacheTask] = []
+        for signal in result.delivered:
+            if not self.registers_tasks or signal.slot in self._gates or signal.slot in self.local.tasks:
+                deliver.append((signal.slot, signal.tokens))
+            else:
+                # Redis holds a task for this slot that this process never registered (left by
+                # an earlier process, or restored from an AOF): FastDeploy's sender knows no
+                # such task, so the signal waits here for this process's own.
+                self.local.keep_early(signal.slot, self._early(signal), counted=False)
+        for signal in result.buffered:
+            holder = self.local.tasks.get(signal.slot)
+            mine = holder is not None and signal.request_id in (None, holder.task.request_id)
+            if self.registers_tasks and holder is not None and mine and signal.slot not in self._gates:
+                if signal.tokens <= holder.queued_tokens:
+                    continue  # recorded just before the registration, which recovered it
+                # Redis lost this process's task (a restart without persistence): send now,
+                # and register the task again so the buffered copy is taken, not left behind.
+                deliver.append((signal.slot, signal.tokens))
+                repair.append(holder.task)
+            elif self.registers_tasks:
+                self.local.keep_early(signal.slot, self._early(signal), counted=False)
+        return self._queue(deliver), repair
+
+    def _settle_register(self, task: CacheTask, result: RegisterResult) -> Batch:
+        """Under the lock: queue the recovered batch, then what waited behind the registration."""
+        for signal, reason in result.dropped:
+            logger.warning(
+                "dropped early layer-%d signal of slot %d (%d tokens) for request %s: %s",
+                signal.layer,
+                signal.slot,
+                signal.tokens,
+                task.request_id,
+                reason.value,
+            )
+        recovered = [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
+        copy = self.local.early.get(task.slot)
+        if self.registers_tasks:
+            answered = any(s.layer == SIGNAL_LAYER for s in result.recovered) or any(
+                s.layer == SIGNAL_LAYER for s, _ in result.dropped
+            )
+            early, refusal = self.local.register(task, _now_ms())
+            if early is not None and not answered and not result.repeated:
+                # Redis no longer had the signal this process buffered (lost in a restart, or
+                # held here because Redis delivered it to a holder we never registered).
+                self._log_local_verdict(task, early, refusal)
+                if refusal is None:
+                    recovered.append((task.slot, early.tokens))
+        elif copy is not None:
+            self.local.early.pop(task.slot, None)
+        if result.repeated:
+            recovered = []  # the same handoff: its batch was queued the first time
+        held = self._gates.pop(task.slot, [])
+        return self._queue(recovered) + self._queue(held)
+
+    def _repair(self, task: CacheTask) -> None:
+        """Register a task of this process that Redis lost; what it recovers was queued already."""
+        try:
+            self.buffer.register(task, replace=True)
+        except Exception as exc:
+            with self._lock:
+                self._degrade("on_kv_signal", exc)
+                self._journal.append(RegisterOp(task))
+
+    # -- locally (under the lock) ------------------------------------------------------------
+
+    def _record_locally(self, entries: list[tuple[Any, ...]]) -> Batch:
+        deliver: Batch = []
+        now = _now_ms()
+        for slot, tokens, *named in entries:
+            request_id = named[0] if named else None
+            holder = self.local.tasks.get(slot)
+            live = holder is not None and request_id in (None, holder.task.request_id)
+            if slot in self._gates or (self.registers_tasks and live):
+                self.local.count_delivered()
+                deliver.append((slot, tokens))
+            else:
+                early = EarlySignal(tokens, now + self._pending_ttl_ms, shared=False, request_id=request_id)
+                self.local.keep_early(slot, early, counted=True)
+        self._note_local("on_kv_signal", RecordOp(tuple(entries)))
+        return self._queue(deliver)
+
+    def _register_locally(self, task: CacheTask) -> Batch:
+        holder = self.local.tasks.get(task.slot)
+        if holder is not None and holder.task.request_id != task.request_id:
+            logger.warning(
+                "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
+                task.slot,
+                self.instance,
+                self.rank,
+                holder.task.request_id,
+                task.request_id,
+            )
+        early, reason = self.local.register(task, _now_ms())
+        self._note_local("on_cache_task", RegisterOp(task))
+        if early is None:
+            return []
+        self._log_local_verdict(task, early, reason)
+        return self._queue([(task.slot, early.tokens)]) if reason is None else []
+
+    def _finish_locally(self, slot: int, request_id: str) -> FinishResult:
+        removed, dropped, fenced = self.local.finish(slot, request_id)
+        self._note_local("on_task_finished", FinishOp(slot, request_id))
+        return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
+
+    def _note_local(self, operation: str, op: Operation) -> None:
+        self._journal.append(op)
+        self._local_calls[operation] += 1
+        self._episode_calls += 1
+
+    def _queue(self, entries: Iterable[tuple[int, int]]) -> Batch:
+        """Put one batch on the sender's queue: entries of a slot whose registration is on its
+        way wait behind it; an entry no further along than what the sender already has for
+        its request is dropped (its blocks are covered)."""
+        batch: Batch = []
+        for slot, tokens in entries:
+            gate = self._gates.get(slot)
+            if gate is not None:
+                gate.append((slot, tokens))
+                continue
+            holder = self.local.tasks.get(slot)
+            if holder is not None:
+                if tokens <= holder.queued_tokens:
+                    self._suppressed += 1
+                    continue
+                holder.queued_tokens = tokens
+            batch.append((slot, tokens))
+        if batch:
+            self.ready.put(batch)
+        return batch
+
+    def _early(self, signal: LayerSignal) -> EarlySignal:
+        deadline = signal.recorded_at_ms + self._pending_ttl_ms
+        return EarlySignal(signal.tokens, deadline, shared=True, request_id=signal.request_id)
+
+    # -- episodes --------------------------------------------------------------------------
+
+    def _degrade(self, operation: str, exc: BaseException) -> None:
+        """Under the lock: count the error; start an episode (logged once, with its cause)."""
+        self._errors[operation] += 1
+        if self._degraded_since is not None:
+            return
+        self._degraded_since = time.monotonic()
+        self.local.counting = True
+        self._episodes += 1
+        self._episode_calls = self._episode_reconciled = 0
+        logger.warning(
+            "%s/%d: Redis failed in %s (%s: %s); serving this process locally until it answers",
+            self.instance,
+            self.rank,
+            operation,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+        if self._reconciler is None or not self._reconciler.is_alive():
+            self._reconciler = threading.Thread(target=self._reconcile_loop, name="rls-reconcile", daemon=True)
+            self._reconciler.start()
+
+    def _reconcile_loop(self) -> None:
+        while not self._closed.wait(self.probe_s):
+            try:
+                if self.reconcile():
+                    return
+            except Exception as exc:  # still unreachable: the next probe tries again
+                logger.debug("%s/%d: still degraded: %s", self.instance, self.rank, exc)
+
+    def _restore_tasks(self) -> None:
+        """Register again every task this process holds, in case Redis lost it (a restart
+        without persistence); a task Redis still has is a repeat that changes nothing."""
+        if not self.registers_tasks:
+            return
+        with self._lock:
+            tasks = [holder.task for holder in self.local.tasks.values()]
+        for task in tasks:
+            self.buffer.register(task, replace=True)
+
+    def _end_episode(self) -> tuple[float, int, int]:
+        """Under the lock, with the journal written back: serve from Redis again. Returns the
+        episode's seconds, calls served locally and entries written back."""
+        assert self._degraded_since is not None
+        seconds = time.monotonic() - self._degraded_since
+        self._degraded_total += seconds
+        self._degraded_since = None
+        # Every local decision is in Redis now, counted there: the local signals are Redis's too.
+        self.local.counting = False
+        self.local.counts.clear()
+        self.local.early = {slot: dataclasses.replace(s, shared=True) for slot, s in self.local.early.items()}
+        calls, entries = self._episode_calls, self._episode_reconciled
+        logger.warning(
+            "%s/%d: Redis answers again after %.1fs degraded: %d calls served locally, %d entries written back",
+            self.instance,
+            self.rank,
+            seconds,
+            calls,
+            entries,
+        )
+        return seconds, calls, entries
+
+    def _write_episode(self, seconds: float, calls: int, entries: int) -> None:
+        """Add the episode to the rank's counters, best effort and never resent (a counter
+        increment has no idempotency token)."""
+        stats = self.buffer.protocol.keys.rank(self.instance, self.rank).stats
+        client = self.buffer.client
+        try:
+            client.hincrby(stats, STATS_DEGRADED_MS, round(seconds * 1000))
+            client.hincrby(stats, STATS_SERVED_LOCALLY, calls)
+            client.hincrby(stats, STATS_RECONCILED, entries)
+        except Exception as exc:
+            logger.warning("%s/%d: could not add the episode to the counters: %s", self.instance, self.rank, exc)
+
+    def _invalid(self, operation: str, exc: InvalidSignal | InvalidTask) -> None:
+        """Count bad input; log it once until the same hook succeeds again."""
+        with self._lock:
+            self._errors[operation] += 1
+            first = operation not in self._logged_invalid
+            self._logged_invalid.add(operation)
+        if first:
+            logger.error("%s/%d: %s skipped invalid input: %s", self.instance, self.rank, operation, exc)
+        else:
+            logger.debug("%s/%d: %s skipped invalid input: %s", self.instance, self.rank, operation, exc)
+
+    def _log_local_verdict(self, task: CacheTask, early: EarlySignal, reason: Any) -> None:
+        if reason is None:
+            logger.debug(
+                "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, early.tokens, task.request_id
+            )
+        else:
+            logger.warning(
+                "dropped early layer-0 signal of slot %d (%d tokens) for request %s: %s",
+                task.slot,
+                early.tokens,
+                task.request_id,
+                reason.value,
+            )
 
 
 def layer0_entries(kv_signal_data: Any) -> Batch:
@@ -149,6 +583,10 @@ def block_ids(task: CacheTask, field: str) -> list[int]:
     """The block ids a task's meta carries (``src_block_ids`` or ``dest_block_ids``)."""
     text = task.meta.get(field, "")
     return [int(part) for part in text.split(",")] if text else []
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def _required(cache_info: Mapping[str, Any], field: str) -> Any:

@@ -1,15 +1,22 @@
-"""A reference cache messager: ``CacheMessagerV1``'s three threads around :class:`Layer0Bridge`.
+"""A reference cache messager: ``CacheMessagerV1``'s three prefill threads around :class:`Layer0Bridge`.
 
-- the **signal consumer** reads each layer signal, advances per-slot progress, and hands
-  layer-0 messages to the bridge, queueing the batch the bridge says is ready;
-- the **cache-task adder** merges the prefill and decode halves of each ``cache_info`` and
-  registers the task through the bridge, queueing any early signal it recovers;
-- the **layer-wise sender** turns each ready ``(slot, prefilled_tokens)`` into block ranges and
-  writes them layer by layer as the GPU's progress allows, then finishes the task.
+It follows the structure of FastDeploy's fixed class (release/2.6 with PR 7872) at the three
+places the bridge replaces its pending dict, with the bridge calls where the integration guide
+puts them, all outside ``engine_cache_task_thread_lock``:
 
-The sender reads the task (need, block ids) from the buffer, not from a local dict, so the
-adder can run in another process (:func:`run_adder_process`) and share only Redis and the ready
-queue with the rest. :class:`UnbufferedBridge` is the behaviour before the fix, for comparison.
+- the **signal consumer** advances per-slot progress under the lock (FastDeploy's
+  ``engine_cache_tasks``), then hands the message to the bridge, which queues the layer-0
+  batch whose tasks are live;
+- the **cache-task adder** merges the two halves of each ``cache_info``, puts the task in
+  ``idx_cache_task_dict`` under the lock, then registers it through the bridge (which queues
+  the early batch it recovers) and acknowledges it ("task added");
+- the **layer-wise sender** takes each batch, asserts that its task is in
+  ``idx_cache_task_dict`` (as FastDeploy's sender does), writes the blocks layer by layer as
+  the GPU's progress allows and, after a request's last chunk, finishes it through the bridge
+  before reporting it and deleting it under the lock.
+
+When the adder runs in another process (:func:`run_adder_process`), the sender reads a task it
+does not know from the buffer. :class:`UnbufferedBridge` is the behaviour before the fix.
 """
 
 from __future__ import annotations
@@ -19,11 +26,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ..buffer import SignalBuffer
-from .bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, block_ids, layer0_entries
+from .bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, QueueLike, block_ids, layer0_entries
 from .scripted import RecordingTransport
 from .signals import KvSignal, decode_kv_signal
 
@@ -36,13 +42,7 @@ ADDER_IDLE_EXIT_S = 120.0
 STOP = "stop"
 """Sentinel that ends :func:`run_adder_process`."""
 
-
-class QueueLike(Protocol):
-    """Either a ``queue.Queue`` or a ``multiprocessing`` queue."""
-
-    def put(self, item: Any) -> None: ...
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+__all__ = ["STOP", "CacheTaskAdder", "Progress", "QueueLike", "ReferenceMessager", "UnbufferedBridge"]
 
 
 class UnbufferedBridge(Layer0Bridge):
@@ -52,17 +52,19 @@ class UnbufferedBridge(Layer0Bridge):
     remembers the early signal, so its request is never sent.
     """
 
-    def on_kv_signal(self, kv_signal_data: Any) -> Batch:
+    def on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None = None) -> Batch:
         ready = []
         for slot, tokens in layer0_entries(kv_signal_data):
             if self.buffer.task(self.instance, self.rank, slot) is None:
                 logger.warning("no cache task for slot %d yet: layer-0 signal dropped", slot)
             else:
                 ready.append((slot, tokens))
+        if ready:
+            self.ready.put(ready)
         return ready
 
     def on_cache_task(self, cache_info: Mapping[str, Any]) -> Batch:
-        self.buffer.register(self.cache_task(cache_info))
+        self.buffer.register(self.cache_task(cache_info), replace=True)
         return []
 
 
@@ -107,82 +109,89 @@ class Progress:
 
 
 class CacheTaskAdder:
-    """Merges the two halves of each ``cache_info`` and registers the task once both are in."""
+    """``_add_cache_task_thread``: merges the two halves of each ``cache_info``; once both are
+    in, puts the task in ``idx_cache_task_dict`` under the lock, registers it through the
+    bridge outside it, and acknowledges it on ``acks`` (FastDeploy's
+    ``put_finished_add_cache_task_req``)."""
 
-    def __init__(self, bridge: Layer0Bridge, ready: QueueLike) -> None:
+    def __init__(
+        self,
+        bridge: Layer0Bridge,
+        lock: threading.Lock,
+        idx_cache_task_dict: dict[int, dict[str, Any]],
+        acks: QueueLike,
+    ) -> None:
         self.bridge = bridge
-        self.ready = ready
-        self._halves: dict[str, dict[str, Any]] = {}
+        self.lock = lock
+        self.idx_cache_task_dict = idx_cache_task_dict
+        self.acks = acks
+        self.cache_info: dict[str, dict[str, Any]] = {}
 
-    def add(self, half: Mapping[str, Any]) -> Batch | None:
-        """Returns the recovered batch once the task registered, None while a half is missing."""
+    def add(self, half: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Returns the merged task once it is registered, None while a half is missing."""
         request_id = str(half["request_id"])
-        first = self._halves.pop(request_id, None)
-        if first is None:
-            self._halves[request_id] = dict(half)
+        current = self.cache_info.get(request_id)
+        if current is None:
+            self.cache_info[request_id] = dict(half)
             return None
-        merged = {**first, **half}
-        cached_blocks = len(merged[META_SRC_BLOCKS]) - len(merged[META_DEST_BLOCKS])
-        merged[META_DEST_BLOCKS] = [-1] * cached_blocks + list(merged[META_DEST_BLOCKS])
-        merged["decode_cached_tokens"] = cached_blocks * self.bridge.block_size
-        batch = self.bridge.on_cache_task(merged)
-        if batch:
-            self.ready.put(batch)
-        return batch
-
-
-@dataclass
-class _Sending:
-    request_id: str
-    sent_blocks: int
+        current.update(half)
+        cached_blocks = len(current[META_SRC_BLOCKS]) - len(current[META_DEST_BLOCKS])
+        current[META_DEST_BLOCKS] = [-1] * cached_blocks + list(current[META_DEST_BLOCKS])
+        current["decode_cached_tokens"] = cached_blocks * self.bridge.block_size
+        current["sended_block_num"] = cached_blocks
+        current["status"] = "init"
+        del self.cache_info[request_id]
+        with self.lock:
+            self.idx_cache_task_dict[current["current_id"]] = current
+        # Outside the lock: a Redis round trip must not stall the consumer and the sender. The
+        # task is in idx_cache_task_dict already, so whatever the bridge queues finds it.
+        self.bridge.on_cache_task(current)
+        self.acks.put(request_id)
+        return current
 
 
 class ReferenceMessager:
     """The prefill side of a cache messager: consumer, adder (optional) and sender threads.
 
     Feed it ``signals`` (paddle tensors from :class:`ScriptedGpu`) and ``cache_infos`` (halves);
-    read ``transport.writes`` and ``finished``. Pass ``ready`` (a multiprocessing queue) and
-    ``with_adder=False`` when the adder runs in another process.
+    read ``transport.writes``, ``finished`` and ``acks``. The sender's queue is the bridge's
+    ``ready``. Pass ``with_adder=False`` when the adder runs in another process: the sender
+    then reads the tasks it does not know from the buffer.
     """
 
-    def __init__(
-        self,
-        bridge: Layer0Bridge,
-        transport: RecordingTransport,
-        *,
-        ready: QueueLike | None = None,
-        with_adder: bool = True,
-    ) -> None:
+    def __init__(self, bridge: Layer0Bridge, transport: RecordingTransport, *, with_adder: bool = True) -> None:
         self.bridge = bridge
         self.transport = transport
         self.signals: queue.Queue[Any] = queue.Queue()
         self.cache_infos: queue.Queue[Mapping[str, Any]] = queue.Queue()
-        self.ready: QueueLike = ready if ready is not None else queue.Queue()
+        self.cache_prefilled_engine_ids_queue: QueueLike = bridge.ready
         self.finished: queue.Queue[str] = queue.Queue()
+        self.acks: queue.Queue[str] = queue.Queue()
         self.progress = Progress()
         self.errors: list[BaseException] = []
-        self.stale: list[tuple[int, int]] = []
-        self.adder = CacheTaskAdder(bridge, self.ready)
-        self._sending: dict[int, _Sending] = {}
+        self.engine_cache_task_thread_lock = threading.Lock()
+        self.idx_cache_task_dict: dict[int, dict[str, Any]] = {}
+        self.tasks_from_buffer = not with_adder
+        self.adder = CacheTaskAdder(bridge, self.engine_cache_task_thread_lock, self.idx_cache_task_dict, self.acks)
         self._stop = threading.Event()
         loops: list[tuple[QueueLike, Callable[[Any], object]]] = [
             (self.signals, self._consume_signal),
-            (self.ready, self._send_batch),
+            (self.cache_prefilled_engine_ids_queue, self._send_batch),
         ]
         if with_adder:
             loops.append((self.cache_infos, self.adder.add))
-        self._threads = [threading.Thread(target=self._serve, args=loop, daemon=True) for loop in loops]
+        self.threads = [threading.Thread(target=self._serve, args=loop, daemon=True) for loop in loops]
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> ReferenceMessager:
-        for thread in self._threads:
+        for thread in self.threads:
             thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        for thread in self._threads:
+        for thread in self.threads:
             thread.join(timeout)
 
     def __enter__(self) -> ReferenceMessager:
@@ -195,32 +204,33 @@ class ReferenceMessager:
         """True once every signal and cache_info put so far has been handled (bounded)."""
         return _poll(lambda: self.signals.unfinished_tasks == 0 and self.cache_infos.unfinished_tasks == 0, timeout)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """True once every signal, cache_info and ready batch put so far has been handled:
+        no hook call and no send is under way (bounded)."""
+        ready = self.cache_prefilled_engine_ids_queue
+
+        def idle() -> bool:
+            sending = ready.unfinished_tasks if isinstance(ready, queue.Queue) else 0
+            return self.signals.unfinished_tasks == 0 and self.cache_infos.unfinished_tasks == 0 and sending == 0
+
+        return _poll(idle, timeout)
+
     def wait_finished(self, request_ids: Iterable[str], timeout: float) -> set[str]:
         """Collect finished requests until all of ``request_ids`` are in or ``timeout`` passes."""
-        wanted, seen = set(request_ids), set[str]()
-        deadline = time.monotonic() + timeout
-        while not wanted <= seen:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                seen.add(self.finished.get(timeout=min(remaining, 0.05)))
-            except queue.Empty:
-                continue
-        return seen
+        return _collect(self.finished, request_ids, timeout)
 
     # -- the three threads -----------------------------------------------------------------
 
     def _serve(self, inbox: QueueLike, handle: Callable[[Any], object]) -> None:
         """One thread: hand each item of ``inbox`` to ``handle``; an error is kept for the tests
-        and the loop goes on."""
+        and logged, and the loop goes on (FastDeploy's loops catch and log the same way)."""
         while not self._stop.is_set():
             try:
                 self._take(inbox, handle)
             except Exception as exc:
                 logger.exception("%s failed", handle.__qualname__)
                 self.errors.append(exc)
-                self._stop.wait(POLL_S)  # no busy loop while Redis is away
+                self._stop.wait(POLL_S)
 
     @staticmethod
     def _take(inbox: QueueLike, handle: Callable[[Any], object]) -> None:
@@ -237,44 +247,80 @@ class ReferenceMessager:
                 inbox.task_done()
 
     def _consume_signal(self, data: Any) -> None:
+        """``consume_signals``: progress under the lock, the layer-0 batch through the bridge
+        outside it (FastDeploy's ready/pending split and pending dict are gone)."""
         signal = decode_kv_signal(data)
-        if signal is not None:
+        if signal is None:
+            return
+        with self.engine_cache_task_thread_lock:
             self.progress.advance(signal)
-            batch = self.bridge.on_kv_signal(signal)
-            if batch:
-                self.ready.put(batch)
+        self.bridge.on_kv_signal(signal)
 
     def _send_batch(self, batch: Batch) -> None:
-        for slot, tokens in batch:
-            self._send(slot, tokens)
+        for engine_index, tokens in batch:
+            self._send(engine_index, tokens)
 
-    def _send(self, slot: int, tokens: int) -> None:
-        """Write blocks ``[sent, end)`` of every layer; finish the task after its last chunk."""
-        bridge = self.bridge
-        task = bridge.buffer.task(bridge.instance, bridge.rank, slot)
-        if task is None:
-            logger.warning("ready signal for slot %d (%d tokens) has no live task; skipped", slot, tokens)
-            self.stale.append((slot, tokens))
-            return
-        state = self._sending.get(slot)
-        if state is None or state.request_id != task.request_id:
-            state = _Sending(task.request_id, task.decode_cached_tokens // bridge.block_size)
-        src, dest = block_ids(task, META_SRC_BLOCKS), block_ids(task, META_DEST_BLOCKS)
-        last_chunk = tokens >= task.need_prefill_tokens
-        end = len(src) if last_chunk else min(tokens // bridge.block_size, len(src))
-        if end > state.sent_blocks:
-            for layer in range(bridge.num_layers):
-                if not self.progress.wait(slot, tokens, layer, self._stop):
+    def _send(self, engine_index: int, tokens: int) -> None:
+        """Write blocks ``[sended_block_num, end)`` of every layer; finish after the last chunk."""
+        task = self._task(engine_index)
+        block_size = self.bridge.block_size
+        src, dest = task[META_SRC_BLOCKS], task[META_DEST_BLOCKS]
+        last_chunk = tokens >= task["need_prefill_tokens"]
+        start = task["sended_block_num"]
+        end = len(src) if last_chunk else min(tokens // block_size, len(src))
+        if end > start:
+            for layer in range(self.bridge.num_layers):
+                if not self.progress.wait(engine_index, tokens, layer, self._stop):
                     return
-                self.transport.write_cache(slot, layer, src[state.sent_blocks : end], dest[state.sent_blocks : end])
-            state.sent_blocks = end
-        if not last_chunk:
-            self._sending[slot] = state
-            return
-        self._sending.pop(slot, None)
-        self.progress.reset(slot)
-        bridge.on_task_finished(slot, task.request_id)
-        self.finished.put(task.request_id)
+                self.transport.write_cache(engine_index, layer, src[start:end], dest[start:end])
+            task["sended_block_num"] = end
+        if last_chunk:
+            self._finish(engine_index, task)
+
+    def _task(self, engine_index: int) -> dict[str, Any]:
+        """The slot's task as FastDeploy's sender reads it; a slot without one is a bug of the
+        integration, and raises as FastDeploy's assertion does."""
+        task = self.idx_cache_task_dict.get(engine_index)
+        if task is None and self.tasks_from_buffer:
+            task = self._task_from_buffer(engine_index)
+        assert task is not None, f"engine_index {engine_index} not in idx_cache_task_dict"
+        return task
+
+    def _task_from_buffer(self, engine_index: int) -> dict[str, Any] | None:
+        """The task registered by an adder in another process, read from Redis (retried while
+        Redis is unreachable: the handoff cannot cross processes until it is back)."""
+        bridge = self.bridge
+        while not self._stop.is_set():
+            try:
+                found = bridge.buffer.task(bridge.instance, bridge.rank, engine_index)
+            except Exception as exc:
+                logger.debug("task of slot %d unreadable: %s", engine_index, exc)
+                self._stop.wait(bridge.probe_s)
+                continue
+            if found is None:
+                return None
+            task = {
+                "request_id": found.request_id,
+                "current_id": engine_index,
+                "need_prefill_tokens": found.need_prefill_tokens,
+                META_SRC_BLOCKS: block_ids(found, META_SRC_BLOCKS),
+                META_DEST_BLOCKS: block_ids(found, META_DEST_BLOCKS),
+                "sended_block_num": found.decode_cached_tokens // bridge.block_size,
+            }
+            with self.engine_cache_task_thread_lock:
+                self.idx_cache_task_dict[engine_index] = task
+            return task
+        return None
+
+    def _finish(self, engine_index: int, task: dict[str, Any]) -> None:
+        """Release the slot in the buffer first (outside the lock), then report the request and
+        forget it under the lock: once the engine hears of it and reuses the slot, the buffer
+        already treats the slot as free, so the next request's early signals wait for it."""
+        self.bridge.on_task_finished(engine_index, task["request_id"])
+        with self.engine_cache_task_thread_lock:
+            self.finished.put(task["request_id"])
+            self.progress.reset(engine_index)
+            del self.idx_cache_task_dict[engine_index]
 
 
 def run_adder_process(
@@ -286,31 +332,57 @@ def run_adder_process(
     block_size: int,
     inbox: QueueLike,
     ready: QueueLike,
-    registered: QueueLike | None = None,
+    acks: QueueLike | None = None,
+    retry_s: float | None = None,
 ) -> None:
     """The cache-task adder on its own, for a ``multiprocessing`` child sharing only Redis.
 
-    Reads ``cache_info`` halves from ``inbox`` until :data:`STOP`, puts recovered batches on
-    ``ready`` and, when given, each registered request id on ``registered``.
+    Reads ``cache_info`` halves from ``inbox`` until :data:`STOP`, lets the bridge put
+    recovered batches on ``ready`` and, when given, acknowledges each task on ``acks``.
     """
-    with SignalBuffer.from_url(url, namespace=namespace) as buffer:
-        adder = CacheTaskAdder(Layer0Bridge(buffer, instance, rank, block_size, num_layers=num_layers), ready)
-        while True:
-            try:
-                half = inbox.get(timeout=ADDER_IDLE_EXIT_S)
-            except queue.Empty:
-                logger.error("adder idle for %ss, exiting", ADDER_IDLE_EXIT_S)
-                return
-            if half == STOP:
-                return
-            if adder.add(half) is not None and registered is not None:
-                registered.put(half["request_id"])
+    with SignalBuffer.from_url(url, namespace=namespace, retry_s=retry_s) as buffer:
+        bridge = Layer0Bridge(
+            buffer, instance, rank, block_size, num_layers=num_layers, ready=ready, registers_tasks=False
+        )
+        adder = CacheTaskAdder(bridge, threading.Lock(), {}, acks if acks is not None else queue.Queue())
+        try:
+            while True:
+                try:
+                    half = inbox.get(timeout=ADDER_IDLE_EXIT_S)
+                except queue.Empty:
+                    logger.error("adder idle for %ss, exiting", ADDER_IDLE_EXIT_S)
+                    return
+                if half == STOP:
+                    # Write back what was registered locally before leaving, if Redis answers.
+                    _poll(bridge.reconcile, ADDER_IDLE_EXIT_S)
+                    return
+                adder.add(half)
+        finally:
+            bridge.close()
+
+
+def _collect(source: QueueLike, wanted_ids: Iterable[str], timeout: float) -> set[str]:
+    wanted, seen = set(wanted_ids), set[str]()
+    deadline = time.monotonic() + timeout
+    while not wanted <= seen:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            seen.add(source.get(timeout=min(remaining, 0.05)))
+        except queue.Empty:
+            continue
+    return seen
 
 
 def _poll(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while not condition():
+    while True:
+        try:
+            if condition():
+                return True
+        except Exception as exc:
+            logger.debug("still waiting: %s", exc)
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_S)
-    return True

@@ -31,6 +31,8 @@ KV_SIGNAL_LENGTH = KV_SIGNAL_MAX_TASKS * KV_SIGNAL_ENTRY_WIDTH + KV_SIGNAL_HEADE
 """Length of the buffer FastDeploy allocates (1538)."""
 NO_SIGNAL = -1
 """``tasks_count`` of an empty read: the queue had no message."""
+SIGNAL_LAYER = 0
+"""Only layer-0 signals start a send; later layers just advance progress."""
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..buffer import SignalBuffer
-from .bridge import DEFAULT_BLOCK_SIZE, Layer0Bridge
-from .reference import STOP, QueueLike, ReferenceMessager, run_adder_process
+from .bridge import DEFAULT_BLOCK_SIZE, Layer0Bridge, QueueLike
+from .health import BridgeHealth
+from .reference import STOP, ReferenceMessager, run_adder_process
 from .scripted import PrefillRequest, RecordingTransport, ScriptedGpu
 
 ORDERS = ("early", "late", "racy")
@@ -62,10 +63,20 @@ def drive(
     adder_inbox: QueueLike,
     await_registered: Callable[[str], None],
     await_consumed: Callable[[], None],
+    on_step: Callable[[int], None] | None = None,
 ) -> None:
     """Run every chunk and send every task (both ``cache_info`` halves, on ``adder_inbox``) in a
-    seeded interleaving that honours each order."""
+    seeded interleaving that honours each order. ``on_step`` is called with a running count
+    after each forward step and each task sent (a fault injector hooks in there)."""
     rng = random.Random(seed)
+    steps = 0
+
+    def stepped() -> None:
+        nonlocal steps
+        steps += 1
+        if on_step is not None:
+            on_step(steps)
+
     cursor = {p.request.slot: 0 for p in plans}
     active = list(plans)
 
@@ -82,30 +93,47 @@ def drive(
         plan = rng.choice(active)
         if not plan.task_sent and cursor[plan.request.slot] >= plan.early_chunks:
             send(plan)
+            stepped()
             continue
         runnable = [p for p in active if p is not plan and (p.task_sent or cursor[p.request.slot] < p.early_chunks)]
         step = [plan, *rng.sample(runnable, min(len(runnable), rng.randint(0, MAX_STEP_MATES)))]
         gpu.forward([(p.request, *p.chunks[cursor[p.request.slot]]) for p in step])
         for p in step:
             cursor[p.request.slot] += 1
+        stepped()
         for p in list(active):
             if cursor[p.request.slot] == len(p.chunks):
                 if not p.task_sent:
                     send(p)
+                    stepped()
                 active.remove(p)
+
+
+PROBE_SLOT_OFFSET = 1
+"""The request sent after the workload to show the threads still consume goes on the first
+slot after the workload's."""
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a run did: finished requests, every block write, and the buffer's counters."""
+    """What a run did: finished and acknowledged requests, every block write, the buffer's
+    counters and the bridge's, and whether the messager still served a request at the end."""
 
     plans: list[Plan]
     layers: int
     finished: set[str]
+    acks: set[str]
     block_writes: dict[tuple[int, int, int], int]
     premature: int
     errors: int
-    stats: dict[str, int]
+    stats: dict[str, int] | None
+    """The namespace's counters at the end; None when Redis could not be read."""
+    local_counts: dict[str, int]
+    """What the bridge decided locally and had not written back (see LocalState.counts)."""
+    local_pending: int
+    health: BridgeHealth
+    alive_at_end: bool
+    """The three threads were alive after the workload and served one more request."""
     seconds: float
 
     def expected(self) -> set[tuple[int, int, int]]:
@@ -117,13 +145,19 @@ class Outcome:
             for block in p.request.src_block_ids[p.request.decode_cached_blocks :]
         }
 
+    def layer0_signals(self) -> int:
+        """Layer-0 entries the GPU emitted: one per chunk of each request."""
+        return sum(len(p.chunks) for p in self.plans)
+
     def problems(self) -> list[str]:
         """Everything that went wrong, in words; empty when nothing was lost or repeated."""
         expected = self.expected()
         out = []
-        unfinished = {p.request.request_id for p in self.plans} - self.finished
-        if unfinished:
+        ids = {p.request.request_id for p in self.plans}
+        if unfinished := ids - self.finished:
             out.append(f"{len(unfinished)} requests never finished")
+        if unacked := ids - self.acks:
+            out.append(f"{len(unacked)} 'task added' acknowledgements never sent")
         if missing := expected - set(self.block_writes):
             out.append(f"{len(missing)} block writes missing")
         if extra := set(self.block_writes) - expected:
@@ -134,6 +168,8 @@ class Outcome:
             out.append(f"{self.premature} blocks written before the GPU finished them")
         if self.errors:
             out.append(f"{self.errors} thread errors")
+        if not self.alive_at_end:
+            out.append("the messager's threads stopped serving")
         return out
 
 
@@ -146,38 +182,60 @@ def run(
     layers: int = 4,
     adder_process: bool = False,
     timeout_s: float = 30.0,
+    retry_s: float | None = None,
+    probe_s: float = 0.2,
+    on_step: Callable[[int, ReferenceMessager], None] | None = None,
+    before_end: Callable[[ReferenceMessager], None] | None = None,
 ) -> Outcome:
     """Drive the workload through a :class:`ReferenceMessager` and collect the outcome.
 
     With ``adder_process`` the cache-task adder runs in a spawned process that shares only
-    Redis (so ``url`` must be a real server) and the ready queue with this one.
+    Redis (so ``url`` must be a real server) and the ready queue with this one. ``on_step``
+    sees the driver's progress (see :func:`drive`); ``before_end`` runs once every request
+    finished, before the closing probe request and the counters are read.
     """
     started = time.perf_counter()
     plans = make_plans(seed, requests)
-    buffer = SignalBuffer.from_url(url, namespace=namespace)
-    bridge = Layer0Bridge(buffer, INSTANCE, RANK, num_layers=layers)
+    buffer = SignalBuffer.from_url(url, namespace=namespace, retry_s=retry_s)
     context = multiprocessing.get_context("spawn")
-    ready = context.Queue() if adder_process else None
-    messager = ReferenceMessager(bridge, RecordingTransport(), ready=ready, with_adder=not adder_process)
+    ready: QueueLike | None = context.Queue() if adder_process else None
+    bridge = Layer0Bridge(
+        buffer, INSTANCE, RANK, num_layers=layers, ready=ready, registers_tasks=not adder_process, probe_s=probe_s
+    )
+    messager = ReferenceMessager(bridge, RecordingTransport(), with_adder=not adder_process)
     gpu = ScriptedGpu(messager.signals, layers)
     messager.transport.gpu = gpu
+    acks: set[str] = set()
 
     def await_consumed() -> None:
         if not messager.wait_drained(timeout_s):
             raise TimeoutError(f"the messager did not drain its queues within {timeout_s}s")
 
+    step_hook = None if on_step is None else (lambda step: on_step(step, messager))
     adder = None
     try:
         with messager:
             if adder_process:
-                inbox, registered = context.Queue(), context.Queue()
-                args = (url, namespace, INSTANCE, RANK, layers, DEFAULT_BLOCK_SIZE, inbox, ready, registered)
+                inbox, ack_queue = context.Queue(), context.Queue()
+                args = (url, namespace, INSTANCE, RANK, layers, DEFAULT_BLOCK_SIZE, inbox, ready, ack_queue, retry_s)
                 adder = context.Process(target=run_adder_process, args=args, daemon=True)
                 adder.start()
-                drive(plans, gpu, seed, inbox, _await_registered(registered, timeout_s), await_consumed)
+                drive(plans, gpu, seed, inbox, _await_acked(ack_queue, acks, timeout_s), await_consumed, step_hook)
             else:  # the adder is a thread of the messager: drained means registered
-                drive(plans, gpu, seed, messager.cache_infos, lambda _request_id: await_consumed(), await_consumed)
-            finished = messager.wait_finished({p.request.request_id for p in plans}, timeout_s)
+                drive(plans, gpu, seed, messager.cache_infos, lambda _id: await_consumed(), await_consumed, step_hook)
+            ids = {p.request.request_id for p in plans}
+            finished = messager.wait_finished(ids, timeout_s)
+            if adder is not None:
+                acks |= _collect_acks(ack_queue, ids - acks, timeout_s)
+            else:
+                acks |= _drain(messager.acks)
+            if before_end is not None:
+                before_end(messager)
+            stats = _stats_or_none(buffer)  # before the closing probe, which is not the workload's
+            local_counts, local_pending = dict(bridge.local.counts), bridge.local.pending_here()
+            alive = all(t.is_alive() for t in messager.threads) and _serves_one_more(
+                messager, gpu, requests, inbox if adder is not None else messager.cache_infos, timeout_s
+            )
             if adder is not None:
                 inbox.put(STOP)
                 adder.join(timeout_s)
@@ -185,28 +243,83 @@ def run(
             plans=plans,
             layers=layers,
             finished=finished,
-            block_writes=messager.transport.block_writes(),
+            acks=acks,
+            block_writes=_without_slot(messager.transport.block_writes(), requests),
             premature=len(messager.transport.premature),
             errors=len(messager.errors) + (0 if adder is None or adder.exitcode == 0 else 1),
-            stats=buffer.stats(),
+            stats=stats,
+            local_counts=local_counts,
+            local_pending=local_pending,
+            health=bridge.health(),
+            alive_at_end=alive,
             seconds=time.perf_counter() - started,
         )
     finally:
+        bridge.close()
         if adder is not None and adder.is_alive():
             adder.kill()
             adder.join(5)
         buffer.close()
 
 
-def _await_registered(registered: multiprocessing.Queue[str], timeout_s: float) -> Callable[[str], None]:
-    """Wait until the adder process reports ``request_id`` registered."""
-    seen: set[str] = set()
+def _serves_one_more(
+    messager: ReferenceMessager, gpu: ScriptedGpu, requests: int, inbox: QueueLike, timeout_s: float
+) -> bool:
+    """One more request, its task first, on a slot the workload did not use: finishes?"""
+    probe = PrefillRequest("req-probe", requests + PROBE_SLOT_OFFSET - 1, 100)
+    inbox.put(probe.prefill_half())
+    inbox.put(probe.decode_half())
+    deadline = time.monotonic() + timeout_s
+    # The task must be registered before the signal, or the probe tests recovery instead.
+    while messager.bridge.registers_tasks and probe.slot not in messager.bridge.local.tasks:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    if not messager.bridge.registers_tasks:
+        time.sleep(0.2)  # the adder process acknowledges on its own queue: give it a moment
+    gpu.prefill(probe)
+    return messager.wait_finished([probe.request_id], timeout_s) == {probe.request_id}
 
-    def await_registered(request_id: str) -> None:
+
+def _without_slot(writes: dict[tuple[int, int, int], int], slot: int) -> dict[tuple[int, int, int], int]:
+    return {key: count for key, count in writes.items() if key[0] != slot}
+
+
+def _stats_or_none(buffer: SignalBuffer) -> dict[str, int] | None:
+    try:
+        return buffer.stats()
+    except Exception:
+        return None
+
+
+def _drain(source: queue.Queue[str]) -> set[str]:
+    out = set()
+    while True:
+        try:
+            out.add(source.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def _collect_acks(source: QueueLike, wanted: set[str], timeout_s: float) -> set[str]:
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not wanted <= seen and time.monotonic() < deadline:
+        try:
+            seen.add(source.get(timeout=0.05))
+        except queue.Empty:
+            continue
+    return seen
+
+
+def _await_acked(acks: QueueLike, seen: set[str], timeout_s: float) -> Callable[[str], None]:
+    """Wait until the adder process acknowledges ``request_id`` ("task added")."""
+
+    def await_acked(request_id: str) -> None:
         while request_id not in seen:
             try:
-                seen.add(registered.get(timeout=timeout_s))
+                seen.add(acks.get(timeout=timeout_s))
             except queue.Empty:
-                raise TimeoutError(f"the adder process did not register {request_id} within {timeout_s}s") from None
+                raise TimeoutError(f"the adder process did not acknowledge {request_id} within {timeout_s}s") from None
 
-    return await_registered
+    return await_acked

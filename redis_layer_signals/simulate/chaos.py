@@ -136,9 +136,13 @@ class _Injector:
             self.active.set()
 
     def _loop(self) -> None:
+        """The first fault as soon as the window opens (a short run still gets one), then one
+        every ``interval_s`` on average."""
         self.active.wait()
         count = 0
-        while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.interval_s):
+        wait = 0.0
+        while not self.stop.wait(wait):
+            wait = self.rng.uniform(0.5, 1.5) * self.interval_s
             with self.busy:
                 if self.stop.is_set():
                     return

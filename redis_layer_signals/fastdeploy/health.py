@@ -1,0 +1,119 @@
+"""How a bridge is doing: whether it serves from Redis or locally, and what that cost.
+
+:class:`BridgeHealth` is a snapshot (``Layer0Bridge.health()``); :class:`BridgeMetrics` exports
+the snapshots of the bridges it tracks to Prometheus, labelled by namespace, instance and rank,
+from the process that runs them (the ``rls metrics`` exporter reads Redis, which cannot say
+that Redis is unreachable)::
+
+    metrics = BridgeMetrics()
+    metrics.track(bridge)
+    metrics.serve(9109)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .bridge import Layer0Bridge
+
+OPERATIONS = ("on_kv_signal", "on_cache_task", "on_task_finished")
+"""The three hooks, as the ``operation`` label spells them."""
+
+
+@dataclass(frozen=True)
+class BridgeHealth:
+    """One bridge's state and counters since it was built."""
+
+    degraded: bool
+    """True while Redis is unreachable and the bridge serves this process on its own."""
+    episodes: int
+    """Times Redis became unreachable."""
+    degraded_seconds: float
+    """Time spent degraded, the current episode included."""
+    local_calls: Mapping[str, int]
+    """Hook calls served locally, per hook."""
+    reconciled_entries: int
+    """Entries written back to Redis after an episode (a record's entries, a task, a finish)."""
+    journal: int
+    """Operations served locally and not yet written back."""
+    errors: Mapping[str, int]
+    """Hook calls that failed on the way (Redis errors, invalid input, bugs), per hook: each one
+    was logged (once per episode) and served locally or skipped, never raised."""
+    suppressed: int
+    """Layer-0 signals not queued because the sender already had one as far along."""
+
+
+class BridgeMetrics:
+    """A registry of its own with one collector over every tracked bridge."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._collector = _BridgeCollector()
+        self.registry.register(self._collector)
+
+    def track(self, bridge: Layer0Bridge) -> None:
+        self._collector.add(bridge)
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
+        """Serve ``/metrics`` on a background thread; returns the HTTP server (``shutdown()``)."""
+        server, _thread = start_http_server(port, addr, registry=self.registry)
+        return server
+
+
+LABELS = ["namespace", "instance", "rank"]
+
+
+class _BridgeCollector(Collector):
+    def __init__(self) -> None:
+        self._bridges: list[Layer0Bridge] = []
+        self._lock = threading.Lock()
+
+    def add(self, bridge: Layer0Bridge) -> None:
+        with self._lock:
+            self._bridges.append(bridge)
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            bridges = list(self._bridges)
+        return self._collect(bridges)
+
+    @staticmethod
+    def _collect(bridges: list[Layer0Bridge]) -> Iterator[Metric]:
+        degraded = GaugeMetricFamily("rls_bridge_degraded", "1 while the bridge serves locally", labels=LABELS)
+        seconds = CounterMetricFamily("rls_bridge_degraded_seconds", "Seconds the bridge served locally", labels=LABELS)
+        episodes = CounterMetricFamily("rls_bridge_episodes", "Times Redis became unreachable", labels=LABELS)
+        local = CounterMetricFamily(
+            "rls_bridge_local_calls", "Hook calls served without Redis", labels=[*LABELS, "operation"]
+        )
+        reconciled = CounterMetricFamily(
+            "rls_bridge_reconciled_entries", "Entries written back to Redis after an outage", labels=LABELS
+        )
+        journal = GaugeMetricFamily(
+            "rls_bridge_journal", "Operations served locally, not yet written back", labels=LABELS
+        )
+        errors = CounterMetricFamily(
+            "rls_bridge_errors", "Hook calls that failed on the way (never raised)", labels=[*LABELS, "operation"]
+        )
+        for bridge in bridges:
+            health = bridge.health()
+            labels = [bridge.buffer.config.namespace, bridge.instance, str(bridge.rank)]
+            degraded.add_metric(labels, int(health.degraded))
+            seconds.add_metric(labels, health.degraded_seconds)
+            episodes.add_metric(labels, health.episodes)
+            reconciled.add_metric(labels, health.reconciled_entries)
+            journal.add_metric(labels, health.journal)
+            for operation in OPERATIONS:
+                local.add_metric([*labels, operation], health.local_calls.get(operation, 0))
+                errors.add_metric([*labels, operation], health.errors.get(operation, 0))
+        yield from (degraded, seconds, episodes, local, reconciled, journal, errors)

@@ -1,0 +1,65 @@
+"""What the bridge decided while Redis was unreachable, and how it is written back.
+
+Each hook call served locally appends one operation. Once Redis answers again, the operations
+are replayed in their order through the buffer's ordinary calls, so Redis ends where it would
+have been had it answered all along: the same tasks live, the same early signals pending, and
+the counters advanced by the same decisions (a signal delivered locally is counted delivered by
+the replayed ``record``, one recovered locally is counted recovered by the replayed
+``register``, and so on). Nothing a replay returns is handed out again when this process
+registers its own tasks: it already handed those out. See :mod:`.bridge`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..buffer import SignalBuffer
+from ..models import CacheTask
+from .signals import SIGNAL_LAYER
+
+
+@dataclass(frozen=True)
+class RecordOp:
+    """A layer-0 batch recorded locally: ``(slot, tokens[, request_id])`` entries."""
+
+    entries: tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True)
+class RegisterOp:
+    """A task registered locally (overwriting the slot's holder, as FastDeploy does)."""
+
+    task: CacheTask
+
+
+@dataclass(frozen=True)
+class FinishOp:
+    """A slot released locally."""
+
+    slot: int
+    request_id: str
+
+
+Operation = RecordOp | RegisterOp | FinishOp
+
+
+def replay(buffer: SignalBuffer, instance: str, rank: int, op: Operation) -> list[tuple[int, int]]:
+    """Run one journaled operation on Redis; returns the layer-0 entries Redis handed out
+    (delivered by a record, recovered by a register), which the caller queues only when this
+    process could not have handed them out itself."""
+    if isinstance(op, RecordOp):
+        result = buffer.record(instance, rank, SIGNAL_LAYER, list(op.entries))
+        return [(s.slot, s.tokens) for s in result.delivered]
+    if isinstance(op, RegisterOp):
+        registered = buffer.register(op.task, replace=True)
+        if registered.repeated:
+            return []
+        return [(s.slot, s.tokens) for s in registered.recovered if s.layer == SIGNAL_LAYER]
+    buffer.finish(instance, rank, op.slot, op.request_id)
+    return []
+
+
+def entries_in(op: Operation) -> int:
+    """How many entries writing ``op`` back moves (the reconciled-entries metric)."""
+    return len(op.entries) if isinstance(op, RecordOp) else 1

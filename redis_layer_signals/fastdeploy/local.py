@@ -1,0 +1,132 @@
+"""What the bridge knows in its own process: FastDeploy's in-process fix, kept beside Redis.
+
+FastDeploy's fix keeps, per slot, the task that holds it and the newest early layer-0 signal,
+pops the signal when the task registers (dropping it when its tokens exceed
+``need_prefill_tokens``) and forgets it when the task finishes. :class:`LocalState` keeps the
+same two maps for the slots of one (instance, rank) in this process, for two reasons:
+
+- while Redis answers, it is the process's own view of where a signal may go (FastDeploy's
+  sender only knows the tasks its process registered), and a copy of the early signals this
+  process buffered in Redis, in case Redis loses them (a restart without persistence);
+- while Redis does not answer, it *is* the buffer: the bridge serves FastDeploy from it with
+  the semantics of FastDeploy's fix, and counts here what it decided (:attr:`counts`), until
+  the decisions are written back to Redis.
+
+No I/O and no locking: the bridge calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..models import CacheTask, DropReason
+
+
+@dataclass
+class LocalTask:
+    """A task this process registered, and the furthest layer-0 signal queued for it."""
+
+    task: CacheTask
+    queued_tokens: int = -1
+    """Tokens of the newest layer-0 signal handed to the sender for this request (-1: none). A
+    signal at or below it is already covered: queueing it again would resend its blocks, or
+    reach the sender after the request finished."""
+
+
+@dataclass(frozen=True)
+class EarlySignal:
+    """The newest layer-0 signal of a slot that no task of this process has taken yet."""
+
+    tokens: int
+    deadline_ms: int
+    """When it expires, as in Redis: its recording time plus the pending TTL."""
+    shared: bool
+    """True when Redis counted its recording (it buffered it, or delivered it to a holder this
+    process does not know): Redis counts its fate too. False when only this process has seen it
+    (recorded while Redis was unreachable)."""
+    request_id: str | None = None
+    """The request the GPU computed it for, when the signal says (FastDeploy's does not)."""
+
+
+@dataclass
+class LocalState:
+    """The tasks and early layer-0 signals of one (instance, rank), in this process."""
+
+    tasks: dict[int, LocalTask] = field(default_factory=dict)
+    early: dict[int, EarlySignal] = field(default_factory=dict)
+    counting: bool = False
+    """True while Redis is unreachable: only then are decisions made here counted in
+    :attr:`counts` (otherwise Redis counts them)."""
+    counts: Counter[str] = field(default_factory=Counter)
+    """Fates decided here of signals Redis never saw (``recorded``, ``delivered``, ``buffered``,
+    ``recovered``, ``dropped_<reason>``, ``superseded``, ``finish_dropped``), and
+    ``shared_taken``: signals Redis still holds as pending that this process handed out or
+    dropped. Every signal recorded here ends in exactly one of these, or is still in
+    :attr:`early`; the bridge clears them once Redis has replayed the same decisions."""
+
+    def keep_early(self, slot: int, signal: EarlySignal, counted: bool) -> None:
+        """Keep ``signal`` as the slot's early signal, newest wins. ``counted``: it was decided
+        here (Redis never saw it), so its recording and what it supersedes are counted."""
+        if counted and self.counting:
+            self.counts["recorded"] += 1
+            self.counts["buffered"] += 1
+        older = self.early.get(slot)
+        if older is not None:
+            self._count_end(older, "superseded")
+        self.early[slot] = signal
+
+    def register(self, task: CacheTask, now_ms: int) -> tuple[EarlySignal | None, DropReason | None]:
+        """Make ``task`` the slot's holder (overwriting, as FastDeploy does) and pop its early
+        signal: returns the signal and, when it must not be sent, why (see :func:`verdict`).
+        The same request registered again keeps what was queued for it."""
+        holder = self.tasks.get(task.slot)
+        if holder is None or holder.task.request_id != task.request_id:
+            self.tasks[task.slot] = LocalTask(task)
+        early = self.early.pop(task.slot, None)
+        if early is None:
+            return None, None
+        reason = verdict(early, task, now_ms)
+        self._count_end(early, "recovered" if reason is None else f"dropped_{reason.value}")
+        return early, reason
+
+    def finish(self, slot: int, request_id: str) -> tuple[bool, int, bool]:
+        """Release the slot if ``request_id`` holds it and drop its early signal; fenced (nothing
+        changes) when another request holds it. Returns (removed, dropped, fenced), like
+        :class:`~redis_layer_signals.models.FinishResult`."""
+        holder = self.tasks.get(slot)
+        if holder is not None and holder.task.request_id != request_id:
+            return False, 0, True
+        removed = self.tasks.pop(slot, None) is not None
+        early = self.early.pop(slot, None)
+        if early is not None:
+            self._count_end(early, "finish_dropped")
+        return removed, int(early is not None), False
+
+    def count_delivered(self) -> None:
+        """A signal decided here went to the sender."""
+        if self.counting:
+            self.counts["recorded"] += 1
+            self.counts["delivered"] += 1
+
+    def pending_here(self) -> int:
+        """Early signals only this process knows, still waiting."""
+        return sum(1 for signal in self.early.values() if not signal.shared)
+
+    def _count_end(self, signal: EarlySignal, fate: str) -> None:
+        if self.counting:
+            self.counts["shared_taken" if signal.shared else fate] += 1
+
+
+def verdict(signal: EarlySignal, task: CacheTask, now_ms: int) -> DropReason | None:
+    """Why an early layer-0 signal must not be sent to ``task``, or None when it may (Redis's
+    checks, in Redis's order)."""
+    if now_ms >= signal.deadline_ms:
+        return DropReason.EXPIRED
+    if signal.request_id is not None and signal.request_id != task.request_id:
+        return DropReason.REQUEST_MISMATCH
+    if signal.tokens <= 0:
+        return DropReason.NON_POSITIVE
+    if signal.tokens > task.need_prefill_tokens:
+        return DropReason.OVER_NEED
+    return None
