@@ -1,6 +1,7 @@
-"""deploy/ cannot drift from the exporter: every metric and label the Grafana dashboard and the
-Prometheus rules name is one a live exporter serves (read from it, over HTTP, after calls on a
-real redis-server), and promtool validates the rules and the Prometheus configuration."""
+"""deploy/ cannot drift from the exporters: every metric and label the Grafana dashboard and the
+Prometheus rules name is one a live exporter serves (read over HTTP, after calls on a real
+redis-server, from `BufferMetrics`, what `rls metrics` serves, and from the FastDeploy bridge's
+`BridgeMetrics`), and promtool validates the rules, their unit tests and the configuration."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 import yaml
 
 from redis_layer_signals import CacheTask, SignalBuffer
+from redis_layer_signals.fastdeploy import Layer0Bridge
+from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.metrics import BufferMetrics
 from tests.servers import RedisServer, require_binary
 
@@ -56,23 +59,18 @@ def all_queries() -> list[tuple[str, str]]:
     return found
 
 
-@pytest.fixture(scope="module")
-def exported(redis_server: RedisServer) -> Iterator[dict[str, set[str]]]:
-    """Sample name -> its label names, from a live exporter over HTTP after one of each call."""
-    metrics = BufferMetrics()
-    buf = SignalBuffer.from_url(redis_server.url, namespace="deploy-check", observer=metrics.observe, env={})
-    metrics.track(buf)
-    buf.record("p0", 0, 0, [(1, 100), (2, 100)])
-    buf.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=50, num_layers=2))
-    buf.finish("p0", 0, 1, "r1")
-    server = metrics.serve(0, "127.0.0.1")
+def scrape(render: Any) -> str:
+    """One page of an exporter, over HTTP from its own server (``serve(0)``: a free port)."""
+    server = render.serve(0, "127.0.0.1")
     try:
-        metrics.render()  # a first scrape times the "stats" call, so its series exists too
         with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10) as response:
-            page = response.read().decode()
+            return str(response.read().decode())
     finally:
         server.shutdown()
-        buf.close()
+
+
+def sample_labels(page: str) -> dict[str, set[str]]:
+    """Sample name -> its label names, from one page of the text format."""
     names: dict[str, set[str]] = {}
     for line in page.splitlines():
         match = SAMPLE_LINE.match(line)
@@ -80,7 +78,28 @@ def exported(redis_server: RedisServer) -> Iterator[dict[str, set[str]]]:
             continue
         labels = {pair.split("=", 1)[0] for pair in (match.group(2) or "").split(",") if pair}
         names.setdefault(match.group(1), set()).update(labels)
-    yield names
+    return names
+
+
+@pytest.fixture(scope="module")
+def exported(redis_server: RedisServer) -> Iterator[dict[str, set[str]]]:
+    """Sample name -> its label names, from both live exporters after one of each call."""
+    metrics = BufferMetrics()
+    buf = SignalBuffer.from_url(redis_server.url, namespace="deploy-check", observer=metrics.observe, env={})
+    metrics.track(buf)
+    buf.record("p0", 0, 0, [(1, 100), (2, 100)])
+    buf.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=50, num_layers=2))
+    buf.finish("p0", 0, 1, "r1")
+    bridge_metrics = BridgeMetrics()
+    bridge_metrics.track(Layer0Bridge(buf, "p1", 0, num_layers=2))
+    try:
+        metrics.render()  # a first scrape times the "stats" call, so its series exists too
+        names = sample_labels(scrape(metrics))
+        bridge = sample_labels(scrape(bridge_metrics))
+    finally:
+        buf.close()
+    assert "rls_bridge_degraded" in bridge and not set(bridge) & set(names)
+    yield {**names, **bridge}
 
 
 def test_deploy_has_a_dashboard_and_rules_with_queries() -> None:
@@ -99,6 +118,9 @@ def test_deploy_has_a_dashboard_and_rules_with_queries() -> None:
         "rls_degraded_seconds_total",
         "rls_call_duration_seconds_bucket",
         "rls_up",
+        "rls_bridge_degraded",
+        "rls_bridge_local_calls_total",
+        "rls_bridge_errors_total",
     ):
         assert expected in names, expected
 
@@ -163,4 +185,11 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
     }
     # RlsExporterMissing (absent(rls_up)) and RlsSlowCalls are checked quiet or by promtool alone.
     assert alerts - fired <= {"RlsExporterMissing", "RlsSlowCalls"}
-    assert {"RlsSignalsExpiring", "RlsDropsOverNeed", "RlsBridgeDegraded", "RlsExporterCannotReachRedis"} <= fired
+    assert {
+        "RlsSignalsExpiring",
+        "RlsDropsOverNeed",
+        "RlsBridgeDegraded",
+        "RlsBridgeRanDegraded",
+        "RlsBridgeErrors",
+        "RlsExporterCannotReachRedis",
+    } <= fired
