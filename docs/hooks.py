@@ -76,8 +76,8 @@ def _default(option: Any) -> str:
     default = option.default
     if default is None or callable(default):
         return ""
-    if option.is_flag and not option.secondary_opts:
-        return "off" if not default else "on"
+    if option.is_flag:
+        return "on" if default else "off"
     return f"`{getattr(default, 'value', default)}`"
 
 
@@ -87,8 +87,12 @@ def _range(option: Any) -> str:
     if isinstance(annotation, type) and issubclass(annotation, Enum):
         return " One of: " + ", ".join(f"`{member.value}`" for member in annotation) + "."
     low, high = getattr(option, "min", None), getattr(option, "max", None)
-    if low is not None or high is not None:
-        return " Range: `{}`.".format(f"{'' if low is None else low} ... {'' if high is None else high}".strip())
+    if low is not None and high is not None:
+        return f" From `{low}` to `{high}`."
+    if low is not None:
+        return f" At least `{low}`."
+    if high is not None:
+        return f" At most `{high}`."
     return ""
 
 
