@@ -1,12 +1,18 @@
-"""Prometheus metrics: the namespace's counters (read from Redis at scrape time) and
-client-side latency histograms of the calls this process makes.
+"""Prometheus metrics: every rank's counters (read from Redis at scrape time) and client-side
+latency histograms of the calls this process makes.
 
 Embedding process::
 
     metrics = BufferMetrics()
     buf = SignalBuffer.from_url(url, namespace="prod", observer=metrics.observe)
-    metrics.track(buf)          # export the namespace's counters too
+    metrics.track(buf)          # export the namespace's counters too, per instance and rank
     metrics.serve(9108)         # or metrics.render() from your own endpoint
+
+Names follow the Prometheus naming guide: counters end in ``_total``, durations are in seconds
+(``_seconds``), one counter per event with a label for its kind (``rls_dropped_total{reason}``).
+The counter names are derived from the ``stats`` hash fields by :func:`counter_sample`, so a
+counter added to the scripts (or written by the FastDeploy bridge) is exported without a change
+here.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
@@ -21,20 +28,90 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .buffer import SignalBuffer
+from .counters import COUNTERS
+from .replies import text
 
 METRIC_PREFIX = "rls"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 """Seconds; a record on a local Redis takes well under a millisecond, a retried one seconds."""
+RANK_LABELS = ("namespace", "instance", "rank")
+"""The labels of every counter: an operator finds the rank that misbehaves."""
+DROPPED_PREFIX = "dropped_"
+"""``dropped_<reason>`` fields become one ``rls_dropped_total`` counter with a ``reason`` label."""
+MILLISECONDS_SUFFIX = "_ms"
+"""``<name>_ms`` fields are durations: exported as ``rls_<name>_seconds_total``, in seconds."""
+EXPORTED_FIELDS = COUNTERS
+"""Every rank reports these (0 until they happen), so every series of the dashboard exists; they
+include the fields the FastDeploy bridge adds when it reconciles after an outage (``degraded_ms``,
+``served_locally``, ``reconciled``)."""
+
+HELP = {
+    "recorded": "Signals accepted by record (delivered + buffered)",
+    "delivered": "Signals record handed straight to a live task",
+    "buffered": "Early signals record kept in Redis until their task registers",
+    "superseded": "Pending signals replaced by a newer one for the same slot and layer",
+    "registered": "Cache tasks registered",
+    "recovered": "Buffered signals handed back by register",
+    "dropped": "Buffered signals register refused, by reason",
+    "finished": "Tasks removed by finish",
+    "finish_dropped": "Pending signals removed by finish (aborted before register)",
+    "fenced": "Late finish calls that named another request than the slot's",
+    "expired": "Pending signals that outlived their TTL",
+    "occupied": "Registers refused because another live request held the slot",
+    "replaced": "Registers that replaced another live request (replace=True)",
+    "reregistered": "Registers repeated for the live request (same recovery returned)",
+    "replayed": "Resent calls answered from their idempotency token",
+    "degraded_seconds": "Time the FastDeploy bridge served its process locally while Redis was unreachable",
+    "served_locally": "Calls the FastDeploy bridge served in its process while degraded",
+    "reconciled": "Entries the FastDeploy bridge wrote back to Redis after an outage",
+}
+
+
+@dataclass(frozen=True)
+class CounterSample:
+    """One sample of one counter family: ``rls_<family>_total{<extra labels>}``."""
+
+    family: str
+    extra: tuple[tuple[str, str], ...]
+    value: float
+
+
+def counter_sample(field: str, value: float) -> CounterSample:
+    """The counter a ``stats`` hash field is exported as (any field, known or not)."""
+    if field.startswith(DROPPED_PREFIX) and len(field) > len(DROPPED_PREFIX):
+        return CounterSample("dropped", (("reason", field[len(DROPPED_PREFIX) :]),), value)
+    if field.endswith(MILLISECONDS_SUFFIX) and len(field) > len(MILLISECONDS_SUFFIX):
+        return CounterSample(field[: -len(MILLISECONDS_SUFFIX)] + "_seconds", (), value / 1000)
+    return CounterSample(field, (), value)
+
+
+def rank_counters(raw: dict[Any, Any]) -> dict[str, float]:
+    """One rank's ``stats`` hash as counters, every exported field present."""
+    counters: dict[str, float] = dict.fromkeys(EXPORTED_FIELDS, 0.0)
+    for name, value in raw.items():
+        counters[text(name)] = float(value)  # HINCRBYFLOAT fields too
+    # record.lua counts delivered and buffered only: one counter write fewer per call.
+    counters["recorded"] = counters["delivered"] + counters["buffered"]
+    return counters
+
+
+def read_rank_stats(buffer: SignalBuffer) -> dict[tuple[str, int], dict[str, float]]:
+    """Every rank's counters in ``buffer``'s namespace (read only: no sweep, no retry)."""
+    keys = buffer.protocol.keys
+    return {
+        (instance, rank): rank_counters(buffer.client.hgetall(keys.rank(instance, rank).stats))
+        for instance, rank in buffer.ranks()
+    }
 
 
 class BufferMetrics:
     """A registry of its own (so several can live in one process) with the latency histogram
-    and, for every tracked buffer, its namespace's counters."""
+    and, for every tracked buffer, its ranks' counters."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.latency = Histogram(
-            f"{METRIC_PREFIX}_call_seconds",
+            f"{METRIC_PREFIX}_call_duration_seconds",
             "Client-side duration of buffer calls, retries included",
             ["operation"],
             registry=self.registry,
@@ -48,7 +125,7 @@ class BufferMetrics:
         self.latency.labels(operation).observe(seconds)
 
     def track(self, buffer: SignalBuffer) -> None:
-        """Export ``buffer``'s namespace counters on every scrape."""
+        """Export the counters of every rank of ``buffer``'s namespace on every scrape."""
         self._counters.add(buffer)
 
     def render(self) -> bytes:
@@ -77,26 +154,34 @@ class _CounterCollector(Collector):
         return self._collect(buffers)
 
     def _collect(self, buffers: list[SignalBuffer]) -> Iterator[Metric]:
-        up = GaugeMetricFamily(f"{METRIC_PREFIX}_up", "1 when the last scrape read the counters", labels=["namespace"])
+        up = GaugeMetricFamily(
+            f"{METRIC_PREFIX}_up",
+            "1 when the last scrape read the namespace's counters from Redis",
+            labels=["namespace"],
+        )
         families: dict[str, CounterMetricFamily] = {}
         for buffer in buffers:
             namespace = buffer.config.namespace
             started = time.perf_counter()
             try:
                 # No sweep: a scrape only reads. Expiries are counted by the next call on the rank.
-                counters = buffer.stats(sweep=False)
+                ranks = read_rank_stats(buffer)
             except Exception:
                 up.add_metric([namespace], 0)
                 continue
             self.metrics.observe("stats", time.perf_counter() - started)
             up.add_metric([namespace], 1)
-            for name, value in counters.items():
-                family = families.get(name)
-                if family is None:
-                    family = CounterMetricFamily(
-                        f"{METRIC_PREFIX}_{name}", f"Namespace counter {name} (summed over ranks)", labels=["namespace"]
-                    )
-                    families[name] = family
-                family.add_metric([namespace], value)
+            for (instance, rank), counters in ranks.items():
+                for field, value in counters.items():
+                    sample = counter_sample(field, value)
+                    family = families.get(sample.family)
+                    if family is None:
+                        family = CounterMetricFamily(
+                            f"{METRIC_PREFIX}_{sample.family}",
+                            HELP.get(sample.family, f"Rank counter {field}"),
+                            labels=[*RANK_LABELS, *(name for name, _ in sample.extra)],
+                        )
+                        families[sample.family] = family
+                    family.add_metric([namespace, instance, str(rank), *(v for _, v in sample.extra)], sample.value)
         yield up
         yield from families.values()

@@ -1,5 +1,5 @@
-"""Prometheus metrics: the library API an embedding process uses, and `rls metrics` serving the
-namespace's counters over HTTP."""
+"""Prometheus metrics: the library API an embedding process uses, and `rls metrics` serving every
+rank's counters over HTTP, named as the Prometheus naming guide asks."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import subprocess
 import sys
 import urllib.request
 
-from redis_layer_signals import CacheTask, SignalBuffer
-from redis_layer_signals.metrics import BufferMetrics
+import pytest
+
+from redis_layer_signals import CacheTask, DropReason, SignalBuffer
+from redis_layer_signals.metrics import BufferMetrics, CounterSample, counter_sample
 from tests.servers import RedisServer, free_port, wait_until
+from tests.topology import ClusterTopology
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -32,15 +35,72 @@ def test_observer_feeds_latency_histograms_and_track_exports_counters() -> None:
     buf.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=100, num_layers=2))
 
     text = metrics.render().decode()
-    assert sample(text, "rls_call_seconds_count", operation="record") == 2
-    assert sample(text, "rls_call_seconds_count", operation="register") == 1
-    assert sample(text, "rls_buffered_total", namespace="m1") == 3
-    assert sample(text, "rls_recovered_total", namespace="m1") == 2
-    assert sample(text, "rls_registered_total", namespace="m1") == 1
+    rank0 = {"namespace": "m1", "instance": "p0", "rank": "0"}
+    assert sample(text, "rls_call_duration_seconds_count", operation="record") == 2
+    assert sample(text, "rls_call_duration_seconds_count", operation="register") == 1
+    assert sample(text, "rls_buffered_total", **rank0) == 3
+    assert sample(text, "rls_recovered_total", **rank0) == 2
+    assert sample(text, "rls_registered_total", **rank0) == 1
+    assert sample(text, "rls_recorded_total", **rank0) == 3
     assert sample(text, "rls_up", namespace="m1") == 1
     # The scrape itself is timed as a client-side "stats" call, visible from the next scrape on.
-    assert sample(text, "rls_call_seconds_count", operation="stats") is None
-    assert sample(metrics.render().decode(), "rls_call_seconds_count", operation="stats") == 1
+    assert sample(text, "rls_call_duration_seconds_count", operation="stats") is None
+    assert sample(metrics.render().decode(), "rls_call_duration_seconds_count", operation="stats") == 1
+
+
+def test_every_rank_is_its_own_series_and_drops_are_one_counter_by_reason() -> None:
+    metrics = BufferMetrics()
+    buf = SignalBuffer.from_url("memory://metrics-ranks", namespace="m2", env={})
+    metrics.track(buf)
+    buf.record("p0", 0, 0, [(1, 100)])
+    buf.record("p0", 1, 0, [(1, 100), (2, 100)])
+    buf.record("p1", 0, 0, [(1, 500)])
+    buf.register(CacheTask("p1", 0, 1, "r1", need_prefill_tokens=100, num_layers=2))  # 500 > 100: over_need
+
+    text = metrics.render().decode()
+    assert sample(text, "rls_buffered_total", namespace="m2", instance="p0", rank="0") == 1
+    assert sample(text, "rls_buffered_total", namespace="m2", instance="p0", rank="1") == 2
+    assert sample(text, "rls_buffered_total", namespace="m2", instance="p1", rank="0") == 1
+    over_need = {"namespace": "m2", "instance": "p1", "rank": "0", "reason": "over_need"}
+    assert sample(text, "rls_dropped_total", **over_need) == 1
+    # Every reason is a series of its own from the start, so a rate over it is never empty.
+    for reason in DropReason:
+        assert sample(text, "rls_dropped_total", namespace="m2", instance="p0", rank="0", reason=reason.value) == 0
+    assert "rls_dropped_over_need_total" not in text
+    assert "# TYPE rls_dropped_total counter" in text
+
+
+def test_bridge_fields_and_unknown_fields_of_a_stats_hash_are_exported() -> None:
+    metrics = BufferMetrics()
+    buf = SignalBuffer.from_url("memory://metrics-bridge", namespace="m3", env={})
+    metrics.track(buf)
+    buf.record("p0", 0, 0, [(1, 100)])
+    stats_key = buf.protocol.keys.rank("p0", 0).stats
+    # What the FastDeploy bridge writes when it reconciles after an outage, and a future counter.
+    buf.client.hset(stats_key, mapping={"degraded_ms": 2500, "served_locally": 7, "reconciled": 3, "resized": 4})
+    text = metrics.render().decode()
+    rank0 = {"namespace": "m3", "instance": "p0", "rank": "0"}
+    assert sample(text, "rls_degraded_seconds_total", **rank0) == 2.5
+    assert sample(text, "rls_served_locally_total", **rank0) == 7
+    assert sample(text, "rls_reconciled_total", **rank0) == 3
+    assert sample(text, "rls_resized_total", **rank0) == 4
+    assert "rls_degraded_ms_total" not in text
+
+
+@pytest.mark.parametrize(
+    ("field", "family", "extra", "value"),
+    [
+        ("buffered", "buffered", (), 5.0),
+        ("dropped_expired", "dropped", (("reason", "expired"),), 5.0),
+        ("dropped_some_new_reason", "dropped", (("reason", "some_new_reason"),), 5.0),
+        ("degraded_ms", "degraded_seconds", (), 0.005),
+        ("finish_dropped", "finish_dropped", (), 5.0),
+    ],
+)
+def test_counter_sample_names_follow_the_naming_guide(
+    field: str, family: str, extra: tuple[tuple[str, str], ...], value: float
+) -> None:
+    assert counter_sample(field, 5) == CounterSample(family, extra, value)
 
 
 def test_scrape_of_an_unreachable_redis_reports_down_instead_of_failing() -> None:
@@ -49,7 +109,7 @@ def test_scrape_of_an_unreachable_redis_reports_down_instead_of_failing() -> Non
     metrics.track(dead)
     text = metrics.render().decode()
     assert sample(text, "rls_up", namespace="gone") == 0
-    assert "rls_buffered_total" not in text
+    assert "rls_buffered_total{" not in text
 
 
 def test_rls_metrics_serves_the_namespace_counters_over_http(redis_server: RedisServer, namespace: str) -> None:
@@ -89,11 +149,30 @@ def test_rls_metrics_serves_the_namespace_counters_over_http(redis_server: Redis
 
         wait_until(scrape, timeout=30, what="rls metrics to answer")
         text = pages[-1]
-        assert sample(text, "rls_buffered_total", namespace=namespace) == 3
-        assert sample(text, "rls_dropped_over_need_total", namespace=namespace) == 1
-        assert sample(text, "rls_registered_total", namespace=namespace) == 1
+        rank0 = {"namespace": namespace, "instance": "p0", "rank": "0"}
+        assert sample(text, "rls_buffered_total", **rank0) == 3
+        assert sample(text, "rls_dropped_total", **rank0, reason="over_need") == 1
+        assert sample(text, "rls_registered_total", **rank0) == 1
         assert sample(text, "rls_up", namespace=namespace) == 1
-        assert "# TYPE rls_call_seconds histogram" in text
+        assert "# TYPE rls_call_duration_seconds histogram" in text
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_every_rank_of_a_cluster_is_read_from_the_node_that_holds_it(cluster: ClusterTopology, namespace: str) -> None:
+    """The ranks' stats hashes live on different primaries; the exporter finds every one."""
+    metrics = BufferMetrics()
+    buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+    metrics.track(buf)
+    pairs = [(f"p{i}", rank) for i in range(4) for rank in range(2)]
+    for n, (instance, rank) in enumerate(pairs, start=1):
+        buf.record(instance, rank, 0, [(slot, 10) for slot in range(n)])
+    holders = {cluster.node_for_key(buf.protocol.keys.rank(i, r).stats).port for i, r in pairs}
+    assert len(holders) >= 2  # otherwise this test would not cover more than one node
+
+    text = metrics.render().decode()
+    assert sample(text, "rls_up", namespace=namespace) == 1
+    for n, (instance, rank) in enumerate(pairs, start=1):
+        assert sample(text, "rls_buffered_total", namespace=namespace, instance=instance, rank=str(rank)) == n
+    buf.close()

@@ -1,0 +1,100 @@
+"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothing fetched:
+
+- the CLI reference page is rendered from the typer application itself (each command's help and
+  options), so it cannot drift from ``rls``;
+- the benchmark results the Performance page links to (``benchmarks/results/``) are published
+  beside it, so those links resolve in the site as they do in the repository.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import typer
+
+CLI_MARKER = "<!-- rls-cli-reference -->"
+ROOT = Path(__file__).resolve().parent.parent
+PUBLISHED = ("benchmarks/results",)
+"""Repository folders published as they are, under the same path in the site."""
+
+
+def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.structure.files import File, InclusionLevel
+
+    for folder in PUBLISHED:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file():
+                uri = path.relative_to(ROOT).as_posix()
+                files.append(File.generated(config, uri, abs_src_path=str(path), inclusion=InclusionLevel.NOT_IN_NAV))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    if CLI_MARKER not in markdown:
+        return markdown
+    return markdown.replace(CLI_MARKER, cli_reference())
+
+
+def cli_reference() -> str:
+    """Markdown for every command of ``rls``: its help, usage and options."""
+    from redis_layer_signals.cli import app
+
+    # typer ships its own copy of click: its objects are used through their methods only.
+    root: Any = typer.main.get_command(app)
+    context = root.context_class(root, info_name="rls")
+    parts = []
+    for name in root.list_commands(context):
+        command = root.get_command(context, name)
+        assert command is not None, name
+        parts.append(command_reference(name, command, command.context_class(command, info_name=name, parent=context)))
+    return "\n".join(parts)
+
+
+def command_reference(name: str, command: Any, context: Any) -> str:
+    lines = [f"## `rls {name}`", "", (command.help or "").strip(), "", "```text", command.get_usage(context), "```", ""]
+    options = [p for p in command.params if p.param_type_name == "option" and not p.hidden]
+    if options:
+        lines += ["| option | default | env | meaning |", "|---|---|---|---|"]
+        for option in options:
+            lines.append(
+                "| {names} | {default} | {env} | {help} |".format(
+                    names=", ".join(f"`{o}`" for o in [*option.opts, *option.secondary_opts]),
+                    default=_default(option),
+                    env=f"`{option.envvar}`" if isinstance(option.envvar, str) else "",
+                    help=_cell((option.help or "") + _range(option)),
+                )
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _default(option: Any) -> str:
+    if option.required:
+        return "required"
+    default = option.default
+    if default is None or callable(default):
+        return ""
+    if option.is_flag:
+        return "on" if default else "off"
+    return f"`{getattr(default, 'value', default)}`"
+
+
+def _range(option: Any) -> str:
+    """The values an option takes, from the annotation typer read (an enum) or its min/max."""
+    annotation = getattr(getattr(option, "type_descriptor", None), "annotation", None)
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return " One of: " + ", ".join(f"`{member.value}`" for member in annotation) + "."
+    low, high = getattr(option, "min", None), getattr(option, "max", None)
+    if low is not None and high is not None:
+        return f" From `{low}` to `{high}`."
+    if low is not None:
+        return f" At least `{low}`."
+    if high is not None:
+        return f" At most `{high}`."
+    return ""
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.replace("|", "\\|").split())
