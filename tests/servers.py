@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from redis_layer_signals.bench.server import REDIS_SERVER, VALKEY, LocalRedis, free_port, server_binary
 
@@ -24,6 +25,7 @@ __all__ = [
     "RedisServer",
     "default_server",
     "free_port",
+    "library_functions",
     "require_binary",
     "running",
     "wait_until",
@@ -58,6 +60,17 @@ def wait_until(predicate: object, timeout: float = 10.0, interval: float = 0.02,
                 return
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def library_functions(client: Any, library: str) -> set[str]:
+    """The functions of ``library`` on the server ``client`` talks to (none when it lacks it),
+    read from FUNCTION LIST's RESP2 reply (flat name/value lists)."""
+    found = set()
+    for entry in client.function_list(library=library):
+        fields = dict(zip(entry[::2], entry[1::2], strict=True))
+        for function in fields[b"functions"]:
+            found.add(dict(zip(function[::2], function[1::2], strict=True))[b"name"].decode())
+    return found
 
 
 class RedisServer(LocalRedis):
