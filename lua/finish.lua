@@ -1,7 +1,7 @@
 -- finish.lua: FCALL rls_v2_finish, release a slot when its request is done (or aborted),
 -- fenced by request id.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms>|<request id>"
+-- keys[1] live     hash    slot -> "<lease deadline ms>|<request id>"; '~' (see _lib.lua)
 -- keys[2] tasks    hash    slot -> task document; "<slot>:recovery" -> its first payload
 -- keys[3] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[4] expiry   zset    slot group -> at or before its earliest pending deadline
@@ -42,8 +42,12 @@ local function finish(keys, args)
 
   local removed = 0
   if holder_id == request_id then
-    -- Redis removes a hash when its last field goes: a released rank leaves no keys.
+    -- A released rank leaves no keys: live goes when only its encoding field is left, tasks
+    -- (no such field) when its last field goes.
     redis.call('HDEL', live_key, slot)
+    if redis.call('HLEN', live_key) <= 1 then
+      redis.call('DEL', live_key)
+    end
     redis.call('HDEL', tasks_key, slot, slot .. ':recovery')
     removed = 1
     redis.call('HINCRBY', stats_key, 'finished', 1)

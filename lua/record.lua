@@ -1,7 +1,7 @@
 -- record.lua: FCALL rls_v2_record, deliver or buffer one batch of layer signals of one
 -- instance and rank.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms>|<request id>"
+-- keys[1] live     hash    slot -> "<lease deadline ms>|<request id>"; '~' (see _lib.lua)
 -- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)
@@ -30,23 +30,34 @@ local function record(keys, args)
     return cached
   end
 
+  local find, sub = string.find, string.sub -- locals: the loops below use them per entry
   local now = now_ms(args[1])
   local layer = args[2]
-  local slots, tokens, rids = {}, {}, {}
+  -- Each entry as its slot and the rest, "tokens,request_id": the start of its stored value.
+  local slots, rests = {}, {}
   local n = 0
-  for slot, tok, rid in string.gmatch(args[7], '([^,;]*),([^,;]*),([^;]*);') do
+  for slot, rest in string.gmatch(args[7], '([^,;]*),([^;]*);') do
     n = n + 1
-    slots[n], tokens[n], rids[n] = slot, tok, rid
+    slots[n], rests[n] = slot, rest
   end
 
   -- Expired signals are counted before anything replaces them.
   sweep(pending_key, expiry_key, stats_key, now, args[6])
 
+  -- Delivered when the slot's lease runs and the entry names no request (its rest ends with
+  -- the comma) or the holder's. A live entry is "<lease deadline ms>|<request id>".
   local holders = redis.call('HMGET', live_key, unpack(slots))
   local flags, buffered = {}, {}
   for i = 1, n do
-    local request_id, alive = holder(holders[i], now)
-    if alive and (rids[i] == '' or rids[i] == request_id) then
+    local value, delivered = holders[i], false
+    if value then
+      local bar = find(value, '|', 1, true)
+      if tonumber(sub(value, 1, bar - 1)) > now then
+        local rest = rests[i]
+        delivered = sub(rest, -1) == ',' or sub(rest, find(rest, ',', 1, true) + 1) == sub(value, bar + 1)
+      end
+    end
+    if delivered then
       flags[i] = 'D'
     else
       flags[i] = 'B'
@@ -57,11 +68,12 @@ local function record(keys, args)
   local superseded = 0
   if #buffered > 0 then
     local ttl = tonumber(args[3])
-    local at, deadline = fmt(now), fmt(now + ttl)
+    local deadline = fmt(now + ttl)
+    local suffix = ',' .. fmt(now) .. ',' .. deadline -- after "tokens,request_id": recorded at, deadline
     local fields, groups, zadd = {}, {}, {'LT'}
     for k, i in ipairs(buffered) do
       fields[2 * k - 1] = slots[i] .. ':' .. layer
-      fields[2 * k] = tokens[i] .. ',' .. rids[i] .. ',' .. at .. ',' .. deadline
+      fields[2 * k] = rests[i] .. suffix
       local group = fmt(math.floor(tonumber(slots[i]) / EXPIRY_GROUP))
       if not groups[group] then
         groups[group] = true
