@@ -28,6 +28,8 @@ def result(redis_server: RedisServer) -> dict[str, Any]:
         redis_url=redis_server.url,
         sizes=(1, 3),
         pending=(0, 2),
+        layers=(1, 3),
+        layer_sizes=(3,),
         iterations=6,
         warmup=1,
         processes=2,
@@ -180,6 +182,19 @@ def test_server_cost_and_memory_are_reported(result: dict[str, Any]) -> None:
     assert result["machine"]["redis_version"].startswith(("6.", "7.", "8."))
 
 
+def test_record_onto_pending_layers_is_measured_against_both_floors(result: dict[str, Any]) -> None:
+    layered = result["pending_layers"]
+    assert {(c["size"], c["path"], c["impl"]) for c in layered} == {
+        (3, layers, impl) for layers in ("1", "3") for impl in ("ours", "floor", "floor_direct")
+    }
+    ours = {c["path"]: c for c in layered if c["impl"] == "ours"}
+    floor = {c["path"]: c for c in layered if c["impl"] == "floor"}
+    assert result["ratios"]["pending.record.3.3/1"] == pytest.approx(ours["3"]["p50_us"] / ours["1"]["p50_us"])
+    expected = ours["3"]["p50_us"] / floor["3"]["p50_us"]
+    assert result["ratios"]["pending.record.3.3.ours/floor"] == pytest.approx(expected)
+    assert "| 3 | 3 | ours |" in markdown(result)
+
+
 def test_targets_follow_the_ratios(result: dict[str, Any]) -> None:
     assert [row["name"] for row in result["targets"]] == [name for name, _, _ in TARGETS]
     for row in result["targets"]:
@@ -216,6 +231,7 @@ def test_written_outputs_are_json_markdown_and_png(result: dict[str, Any], tmp_p
     text = paths[1].read_text()
     assert text == markdown(result) and "| target | measured | limit | met |" in text
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert paths[3].name == "latency_vs_pending.png" and paths[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_package_imports_without_matplotlib() -> None:
@@ -231,7 +247,7 @@ def test_rls_bench_is_a_command_with_the_benchmark_options() -> None:
         timeout=60,
         check=True,
     )
-    for option in ("--redis", "--sizes", "--pending", "--processes", "--json", "--no-plot"):
+    for option in ("--redis", "--server", "--sizes", "--pending", "--layers", "--layer-sizes", "--processes", "--json"):
         assert option in done.stdout, option
 
 
