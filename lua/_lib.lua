@@ -14,7 +14,8 @@
 -- Keys of one instance and rank, all under the hash tag {namespace/instance/rank}; every one
 -- comes in the call's keys, none is built here:
 --
---   live     hash    "<slot>" -> "<lease deadline ms>|<request id>"; '~' (see HASHTABLE_FIELD)
+--   live     hash    "<slot>" -> "<lease deadline ms, 16 digits>|<request id>"; '~' (see
+--                    HASHTABLE_FIELD)
 --   tasks    hash    "<slot>" -> task document; "<slot>:recovery" -> register's first payload
 --   pending  hash    "<slot>:<layer>" -> "<tokens>,<request id>,<recorded at ms>,<deadline ms>"
 --                    (request id empty when unknown), one field per pending signal;
@@ -27,8 +28,10 @@
 -- record writes each signal blind into its own field, so its cost does not depend on what the
 -- slot already holds; HSET's reply (fields created) tells how many replaced an older signal.
 -- register, finish and the sweep read a slot's signals as one HMGET of "<slot>:<layer>" for
--- the rank's layers. Numbers are compared as numbers (tonumber), never as strings: string
--- comparison in Lua follows the server's collation.
+-- the rank's layers. Numbers are compared as numbers (tonumber), with one exception: record
+-- compares a whole live entry with a 16-digit stamp (see record.lua), digits against digits,
+-- which gives the same answer under any collation the server runs with (Lua compares strings
+-- with strcoll; tests/test_collation.py runs the functions under en_US.UTF-8).
 
 local EXPIRY_GROUP = 8
 
@@ -79,14 +82,18 @@ local function remember_reply(reply_key, reply, ttl_ms)
   return reply
 end
 
--- A slot's live entry, "<lease deadline ms>|<request id>": the request id and whether its
--- lease still runs at now (nil, false when the slot has no entry).
+-- Milliseconds as a 16-digit, zero-padded stamp: how live entries store lease deadlines.
+local function ms16(ms)
+  return string.format('%016d', ms)
+end
+
+-- A slot's live entry, "<lease deadline ms, 16 digits>|<request id>": the request id and
+-- whether its lease still runs at now (nil, false when the slot has no entry).
 local function holder(value, now)
   if not value then
     return nil, false
   end
-  local bar = string.find(value, '|', 1, true)
-  return string.sub(value, bar + 1), tonumber(string.sub(value, 1, bar - 1)) > now
+  return string.sub(value, 18), tonumber(string.sub(value, 1, 16)) > now
 end
 
 -- HMGET of any number of fields, in chunks; missing fields are false, as HMGET returns them.

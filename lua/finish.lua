@@ -1,7 +1,7 @@
 -- finish.lua: FCALL rls_v2_finish, release a slot when its request is done (or aborted),
 -- fenced by request id.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms>|<request id>"; '~' (see _lib.lua)
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~
 -- keys[2] tasks    hash    slot -> task document; "<slot>:recovery" -> its first payload
 -- keys[3] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[4] expiry   zset    slot group -> at or before its earliest pending deadline

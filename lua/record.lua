@@ -1,7 +1,7 @@
 -- record.lua: FCALL rls_v2_record, deliver or buffer one batch of layer signals of one
 -- instance and rank.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms>|<request id>"; '~' (see _lib.lua)
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~
 -- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)
@@ -10,6 +10,7 @@
 -- args[3] pending_ttl_ms                   args[4] pending key TTL in ms (pending_ttl + grace)
 -- args[5] reply_ttl_ms                     args[6] sweep limit (slots per run)
 -- args[7] entries, packed "slot,tokens,request_id;" (request_id empty when unknown)
+-- args[8] "1" when some entry carries a request id, else "0"
 --
 -- Reply: "ok|<now ms>|<flags>", one flag per entry in order: D delivered (the slot has a live
 -- task of this request, or of any request when the signal carries none), B buffered.
@@ -45,17 +46,20 @@ local function record(keys, args)
   sweep(pending_key, expiry_key, stats_key, now, args[6])
 
   -- Delivered when the slot's lease runs and the entry names no request (its rest ends with
-  -- the comma) or the holder's. A live entry is "<lease deadline ms>|<request id>".
+  -- the comma) or the holder's. A live entry starts with its lease deadline as 16 digits,
+  -- "<deadline>|<request id>", so "deadline > now" is the whole entry compared with the stamp
+  -- of now + 1 ms: an earlier deadline loses on its digits, an equal one wins by being longer.
+  -- Both sides start with 16 digits, so the answer is the same under any server collation.
+  -- No string is cut per entry, and request ids are looked at only when the batch has some.
   local holders = redis.call('HMGET', live_key, unpack(slots))
+  local next16, with_rids = ms16(now + 1), args[8] == '1'
   local flags, buffered = {}, {}
   for i = 1, n do
-    local value, delivered = holders[i], false
-    if value then
-      local bar = find(value, '|', 1, true)
-      if tonumber(sub(value, 1, bar - 1)) > now then
-        local rest = rests[i]
-        delivered = sub(rest, -1) == ',' or sub(rest, find(rest, ',', 1, true) + 1) == sub(value, bar + 1)
-      end
+    local value = holders[i]
+    local delivered = value and value > next16
+    if delivered and with_rids then
+      local rest = rests[i]
+      delivered = sub(rest, -1) == ',' or sub(rest, find(rest, ',', 1, true) + 1) == sub(value, 18)
     end
     if delivered then
       flags[i] = 'D'

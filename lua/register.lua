@@ -1,7 +1,7 @@
 -- register.lua: FCALL rls_v2_register, make a cache task the holder of its slot and hand it the
 -- slot's early signals.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms>|<request id>"; '~' (see _lib.lua)
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~
 -- keys[2] tasks    hash    slot -> task document; "<slot>:recovery" -> its first payload
 -- keys[3] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[4] expiry   zset    slot group -> at or before its earliest pending deadline
@@ -98,7 +98,7 @@ local function register(keys, args)
 
   -- live and tasks gain and lose their fields together, so their TTLs are refreshed together.
   local task_ttl = tonumber(args[7])
-  redis.call('HSET', live_key, slot, fmt(now + task_ttl) .. '|' .. request_id, HASHTABLE_FIELD, HASHTABLE_VALUE)
+  redis.call('HSET', live_key, slot, ms16(now + task_ttl) .. '|' .. request_id, HASHTABLE_FIELD, HASHTABLE_VALUE)
   redis.call('HSET', tasks_key, slot, args[6], slot .. ':recovery', payload)
   keep_alive(live_key, tasks_key, task_ttl, tonumber(args[11]))
 

@@ -227,8 +227,10 @@ class Protocol:
         validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
         batch: Sequence[tuple[Any, ...]] | None = plain_batch(entries, self.config.max_slots)
         triples = batch is None  # else a plain batch of (slot, tokens) pairs
+        with_rids = "0"
         if batch is None:
             batch = validation.entries(entries, self.config.max_slots)
+            with_rids = "1" if any(rid for _slot, _tokens, rid in batch) else "0"
         if not batch:
             return _Record(None, instance, rank, layer, batch, triples)
         packed = pack_entries(batch)
@@ -243,6 +245,7 @@ class Protocol:
                 self._reply_ttl,
                 self._sweep,
                 packed,
+                with_rids,
             ],
         )
         return _Record(call, instance, rank, layer, batch, triples)

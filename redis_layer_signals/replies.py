@@ -248,9 +248,9 @@ def parse_pending(
 
 
 def split_holder(holder: Any) -> tuple[str, int]:
-    """A live entry, ``"<lease deadline ms>|<request id>"``, as (request id, deadline)."""
-    deadline, _, request_id = text(holder).partition("|")
-    return request_id, int(deadline)
+    """A live entry, ``"<lease deadline ms, 16 digits>|<request id>"``, as (request id, deadline)."""
+    value = text(holder)
+    return value[17:], int(value[:16])
 
 
 def decode_task(instance: str, rank: int, slot: int, holder: Any, document: Any, now_ms: int) -> CacheTask | None:
