@@ -68,7 +68,9 @@ local function register(keys, args)
   for i, layer in ipairs(layers) do
     local value = values[i]
     if value then
-      local tokens, rid, at, deadline = parse_signal(value)
+      -- "tokens,request_id,recorded_at," is the payload's part as stored, the deadline follows.
+      local head, tokens, rid, deadline = string.match(value, '^(([^,]*),([^,]*),[^,]*,)(.*)$')
+      local count = tonumber(tokens)
       local reason = ''
       if tonumber(deadline) <= now then
         reason = 'expired'
@@ -76,9 +78,9 @@ local function register(keys, args)
         reason = 'request_mismatch'
       elseif tonumber(layer) >= num_layers then
         reason = 'layer_out_of_range'
-      elseif tonumber(tokens) <= 0 then
+      elseif count <= 0 then
         reason = 'non_positive'
-      elseif tonumber(tokens) > need then
+      elseif count > need then
         reason = 'over_need'
       end
       if reason == '' then
@@ -86,7 +88,7 @@ local function register(keys, args)
       else
         dropped[reason] = (dropped[reason] or 0) + 1
       end
-      parts[#parts + 1] = layer .. ',' .. tokens .. ',' .. rid .. ',' .. at .. ',' .. reason .. ';'
+      parts[#parts + 1] = layer .. ',' .. head .. reason .. ';'
       popped[#popped + 1] = fields[i]
     end
   end
