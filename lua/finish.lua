@@ -1,15 +1,16 @@
--- finish.lua: release a slot when its request is done (or aborted), fenced by request id.
+-- finish.lua: FCALL rls_v2_finish, release a slot when its request is done (or aborted),
+-- fenced by request id.
 --
--- KEYS[1] live     hash  slot -> "<lease deadline ms, 16 digits>|request_id"; "~" -> marker
--- KEYS[2] tasks    hash  slot -> task document; "<slot>:recovery" -> its recovery
--- KEYS[3] pending  hash  slot -> packed pending records; "~" -> marker (see _lib.lua)
--- KEYS[4] expiry   zset  slot group -> earliest pending deadline of the group (see _lib.lua)
--- KEYS[5] stats    hash  counters (no TTL)
--- KEYS[6] reply    string, this call's idempotency token
--- ARGV[1] now_ms (empty: server TIME)   ARGV[2] slot   ARGV[3] request_id
--- ARGV[4] reply_ttl_ms                  ARGV[5] sweep limit
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~
+-- keys[2] tasks    hash    slot -> task document; "<slot>:recovery" -> its first payload
+-- keys[3] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
+-- keys[4] expiry   zset    slot group -> at or before its earliest pending deadline
+-- keys[5] stats    hash    counters (no TTL)
+-- keys[6] reply    string  this call's idempotency token
+-- args[1] now_ms (empty: server TIME)   args[2] slot   args[3] request_id
+-- args[4] reply_ttl_ms                  args[5] sweep limit
 --
--- Reply: "ok|<now>|<removed>,<dropped>,<fenced>" (removed and fenced are 0 or 1).
+-- Reply: "ok|<now ms>|<removed>,<dropped>,<fenced>" (removed and fenced are 0 or 1).
 --
 -- Guarantees: when another live request holds the slot nothing changes (fenced), so a late
 -- finish never touches the next request's task or signals. Otherwise the task (if it is this
@@ -18,48 +19,58 @@
 -- A resend with the same token returns the first reply, so a retried finish cannot drop a
 -- signal recorded after the first run.
 
-local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local function finish(keys, args)
+  local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
+    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6]
 
-local cached = replayed_reply(reply_key, stats_key)
-if cached then
-  return cached
-end
+  local cached = replayed_reply(reply_key, stats_key)
+  if cached then
+    return cached
+  end
 
-local now = now_ms(ARGV[1])
-local slot, request_id = ARGV[2], ARGV[3]
+  local now = now_ms(args[1])
+  local slot, request_id = args[2], args[3]
+  local head = 'ok|' .. fmt(now) .. '|'
 
-local now16 = ms16(now)
-local stored = slot_pending(pending_key, expiry_key, stats_key, slot, now, now16, ARGV[5])
+  sweep(pending_key, expiry_key, stats_key, now, args[5])
 
-local reply
-local holder, alive = parse_holder(redis.call('HGET', live_key, slot), now16)
-if alive and holder ~= request_id then
-  redis.call('HINCRBY', stats_key, 'fenced', 1)
-  reply = 'ok|' .. now16 .. '|0,0,1'
-else
+  local holder_id, alive = holder(redis.call('HGET', live_key, slot), now)
+  if alive and holder_id ~= request_id then
+    redis.call('HINCRBY', stats_key, 'fenced', 1)
+    return remember_reply(reply_key, head .. '0,0,1', args[4])
+  end
+
   local removed = 0
-  if holder == request_id then
+  if holder_id == request_id then
+    -- A released rank leaves no keys: live goes when only its encoding field is left, tasks
+    -- (no such field) when its last field goes.
     redis.call('HDEL', live_key, slot)
-    drop_if_empty(live_key)
+    if redis.call('HLEN', live_key) <= 1 then
+      redis.call('DEL', live_key)
+    end
     redis.call('HDEL', tasks_key, slot, slot .. ':recovery')
     removed = 1
     redis.call('HINCRBY', stats_key, 'finished', 1)
   end
-  local kept, dropped, from = {}, 0, 2
-  for after, _, _, rid in records(stored) do
-    if rid == '' or rid == request_id then
-      dropped = dropped + 1
-    else
-      kept[#kept + 1] = sub(stored, from - 1, after - 2)
+
+  local fields = slot_fields(slot, pending_layers(pending_key))
+  local values = hmget(pending_key, fields)
+  local doomed = {}
+  for i = 1, #fields do
+    if values[i] then
+      local _, rid = parse_signal(values[i])
+      if rid == '' or rid == request_id then
+        doomed[#doomed + 1] = fields[i]
+      end
     end
-    from = after
   end
-  if dropped > 0 then
-    store_pending(pending_key, expiry_key, slot, table.concat(kept))
-    redis.call('HINCRBY', stats_key, 'finish_dropped', dropped)
+  if #doomed > 0 then
+    hdel(pending_key, doomed)
+    drop_pending_if_empty(pending_key, expiry_key)
+    redis.call('HINCRBY', stats_key, 'finish_dropped', #doomed)
   end
-  reply = 'ok|' .. now16 .. '|' .. removed .. ',' .. dropped .. ',0'
+
+  return remember_reply(reply_key, head .. removed .. ',' .. #doomed .. ',0', args[4])
 end
 
-return remember_reply(reply_key, reply, ARGV[4])
+redis.register_function('rls_v2_finish', finish)

@@ -1,8 +1,8 @@
 """The least-privilege Redis ACL for the library's user, in one place so the docs, the tests and
 an operator's ``ACL SETUSER`` agree.
 
-Redis checks a script's commands against the calling user too, so the user needs the commands
-the Lua scripts call as well as the ones the client sends. Keys are limited to ``rls:*``, or to
+Redis checks a function's commands against the calling user too, so the user needs the
+commands the Lua functions call as well as the ones the client sends. Keys are limited to ``rls:*``, or to
 one namespace's keys (``rls:{<namespace>/*``, the hash tag's opening): a user of namespace A
 can then neither read nor write namespace B. ``SCAN`` is not key-checked, so such a user can
 still see the names (not the contents) of other keys.
@@ -18,7 +18,6 @@ SCRIPT_COMMANDS = (
     "get",
     "set",
     "del",
-    "exists",
     "hget",
     "hset",
     "hdel",
@@ -27,18 +26,18 @@ SCRIPT_COMMANDS = (
     "hincrby",
     "zadd",
     "zrem",
-    "zrange",
     "zrangebyscore",
     "pexpire",
     "pttl",
     "time",
 )
-"""Exactly the commands ``lua/*.lua`` calls: a test fails when a script adds or drops one."""
+"""Exactly the commands ``lua/*.lua`` calls: a test fails when a function adds or drops one."""
 
 CLIENT_COMMANDS = (
-    "evalsha",
-    "script|load",  # after NOSCRIPT (restart, failover, SCRIPT FLUSH)
+    "fcall",
+    "function|load",  # after "Function not found" (restart without persistence, new node, FUNCTION FLUSH)
     "hget",
+    "hmget",
     "hgetall",
     "scan",
     "time",

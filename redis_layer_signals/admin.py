@@ -80,16 +80,18 @@ def snapshot(
                     deadline - now,
                 )
             )
-        for s, packed in slot_fields(buf.client.hgetall(keys.pending), slot):
-            shot.pending.extend(_pending_rows(inst, rk, s, packed, now))
+        by_slot: dict[int, list[tuple[int, str]]] = {}
+        for (s, layer), value in signal_fields(buf.client.hgetall(keys.pending), slot):
+            by_slot.setdefault(s, []).append((layer, value))
+        for s, signals in by_slot.items():
+            shot.pending.extend(_pending_rows(inst, rk, s, signals, now))
     shot.tasks.sort(key=lambda t: (t.instance, t.rank, t.slot))
     shot.pending.sort(key=lambda p: (p.instance, p.rank, p.slot, p.layer))
     return shot
 
 
 def slot_fields(fields: dict[Any, Any], slot: int | None = None) -> list[tuple[int, str]]:
-    """The per-slot fields of a live or pending hash as (slot, value), only ``slot``'s when
-    given; the other fields are markers the scripts keep in the hash."""
+    """The per-slot fields of the live hash as (slot, value), only ``slot``'s when given."""
     found = []
     for name, value in fields.items():
         key = text(name)
@@ -98,11 +100,22 @@ def slot_fields(fields: dict[Any, Any], slot: int | None = None) -> list[tuple[i
     return found
 
 
-def _pending_rows(instance: str, rank: int, slot: int, packed: str, now: int) -> list[PendingRow]:
+def signal_fields(fields: dict[Any, Any], slot: int | None = None) -> list[tuple[tuple[int, int], str]]:
+    """The pending hash's signals as ((slot, layer), value), only ``slot``'s when given; the
+    "layers" field is the list of the rank's layers, not a signal."""
+    found = []
+    for name, value in fields.items():
+        s, colon, layer = text(name).partition(":")
+        if colon and s.isdigit() and layer.isdigit() and (slot is None or int(s) == slot):
+            found.append(((int(s), int(layer)), text(value)))
+    return found
+
+
+def _pending_rows(instance: str, rank: int, slot: int, signals: list[tuple[int, str]], now: int) -> list[PendingRow]:
     """One slot's pending signals with their age and the TTL each has left."""
     return [
         PendingRow(instance, rank, slot, s.layer, s.tokens, s.request_id, now - s.recorded_at_ms, deadline - now)
-        for s, deadline in pending_records(instance, rank, slot, packed)
+        for s, deadline in pending_records(instance, rank, slot, signals)
     ]
 
 

@@ -8,15 +8,17 @@ from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 from . import connection, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
-from .replies import decode_task, parse_pending, text
+from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields
 from .retry import RETRYABLE, Attempts
+from .scripts import FUNCTIONS, LibraryMissing, async_load_library, function_missing
 
 T = TypeVar("T")
 
@@ -43,8 +45,13 @@ class AsyncSignalBuffer(BufferBase):
 
     async def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         keys = self.protocol.slot_keys(instance, rank, slot)
-        packed = await self._retrying("pending", lambda: self.client.hget(keys.pending, str(slot)))
-        return parse_pending(instance, rank, slot, text(packed))
+        stored = await self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS))
+        layers = pending_layers(stored)
+        if not layers:
+            return []
+        fields = slot_signal_fields(slot, layers)
+        values = await self._retrying("pending", lambda: self.client.hmget(keys.pending, fields))
+        return parse_pending(instance, rank, slot, layers, values)
 
     async def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         keys = self.protocol.slot_keys(instance, rank, slot)
@@ -99,19 +106,26 @@ class AsyncSignalBuffer(BufferBase):
         await self.close()
 
     async def _run_script(self, call: ScriptCall) -> Any:
-        """One EVALSHA; on NOSCRIPT (restart, failover, SCRIPT FLUSH) load the text and resend."""
-        script = self._scripts[call.script]
+        """One FCALL; on "Function not found" load the library and resend (see SignalBuffer)."""
+        function = FUNCTIONS[call.script]
         direct = self._direct
         send: Callable[[], Awaitable[Any]]
         if direct is not None:
-            send = partial(direct.run, wire.evalsha(script.sha, call.keys, call.args))
+            send = partial(direct.run, wire.fcall(function, call.keys, call.args))
         else:
-            send = partial(self.client.evalsha, script.sha, len(call.keys), *call.keys, *call.args)
+            send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
         try:
             return await send()
-        except NoScriptError:
-            await self.client.script_load(script.text)
+        except ResponseError as exc:
+            if not function_missing(exc):
+                raise
+        await async_load_library(self.client)
+        try:
             return await send()
+        except ResponseError as exc:
+            if function_missing(exc):
+                raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
+            raise
 
     async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]]) -> T:
         """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""
@@ -155,7 +169,6 @@ class AsyncSignalBuffer(BufferBase):
 
     async def _send(self, operation: str, call: ScriptCall) -> Any:
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
-            script = self._scripts[call.script]
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
-            return await replication.async_run_and_wait(self.client, script, call, operation, wanted, timeout_ms)
+            return await replication.async_run_and_wait(self.client, call, operation, wanted, timeout_ms)
         return await self._run_script(call)

@@ -1,4 +1,4 @@
-"""What the sync and async buffers share: options, protocol, scripts and hooks. Only the
+"""What the sync and async buffers share: options, protocol and hooks. Only the
 transport (a redis-py client or a redis.asyncio one) differs between the two subclasses."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from typing import Any, TypeVar
 
 from .config import BufferConfig
 from .protocol import Clock, Protocol
-from .scripts import all_scripts
 
 Observer = Callable[[str, float], None]
 """Called with (operation, seconds) after each successful call: the metrics hook."""
@@ -64,7 +63,6 @@ class BufferBase:
         self.client = client
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
-        self._scripts = all_scripts()
         self._direct = self.direct_calls(client)
 
     @classmethod

@@ -8,15 +8,17 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 from . import connection, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
-from .replies import decode_task, parse_pending, text
+from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields
 from .retry import RETRYABLE, Attempts
+from .scripts import FUNCTIONS, LibraryMissing, function_missing, load_library
 
 T = TypeVar("T")
 
@@ -56,8 +58,13 @@ class SignalBuffer(BufferBase):
     def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         """The slot's buffered signals, ordered by layer (read-only)."""
         keys = self.protocol.slot_keys(instance, rank, slot)
-        packed = self._retrying("pending", lambda: self.client.hget(keys.pending, str(slot)))
-        return parse_pending(instance, rank, slot, text(packed))
+        # Two reads: the rank's layers, then the slot's field for each (a view, not a snapshot).
+        layers = pending_layers(self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS)))
+        if not layers:
+            return []
+        fields = slot_signal_fields(slot, layers)
+        values = self._retrying("pending", lambda: self.client.hmget(keys.pending, fields))
+        return parse_pending(instance, rank, slot, layers, values)
 
     def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         """The slot's live task, or None (read-only)."""
@@ -122,19 +129,27 @@ class SignalBuffer(BufferBase):
     # -- transport -------------------------------------------------------------------------
 
     def _run_script(self, call: ScriptCall) -> Any:
-        """One EVALSHA; on NOSCRIPT (restart, failover, SCRIPT FLUSH) load the text and resend."""
-        script = self._scripts[call.script]
+        """One FCALL; on "Function not found" (a restart without persistence, a new Cluster
+        node, FUNCTION FLUSH) load the library and resend the same call (same token)."""
+        function = FUNCTIONS[call.script]
         direct = self._direct
         send: Callable[[], Any]
         if direct is not None:
-            send = partial(direct.run, wire.evalsha(script.sha, call.keys, call.args))
+            send = partial(direct.run, wire.fcall(function, call.keys, call.args))
         else:
-            send = partial(self.client.evalsha, script.sha, len(call.keys), *call.keys, *call.args)
+            send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
         try:
             return send()
-        except NoScriptError:
-            self.client.script_load(script.text)
+        except ResponseError as exc:
+            if not function_missing(exc):
+                raise
+        load_library(self.client)
+        try:
             return send()
+        except ResponseError as exc:
+            if function_missing(exc):
+                raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
+            raise
 
     def _retrying(self, operation: str, action: Callable[[], T]) -> T:
         """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""
@@ -179,7 +194,6 @@ class SignalBuffer(BufferBase):
 
     def _send(self, operation: str, call: ScriptCall) -> Any:
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
-            script = self._scripts[call.script]
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
-            return replication.run_and_wait(self.client, script, call, operation, wanted, timeout_ms)
+            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms)
         return self._run_script(call)

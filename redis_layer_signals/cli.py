@@ -416,8 +416,16 @@ def bench_command(
         str | None,
         typer.Option("--redis", help="Benchmark this server instead of starting one (no env fallback)."),
     ] = None,
+    server: Annotated[
+        str,
+        typer.Option(help="Server binary started when --redis is not given: a path, a name on PATH, or 'valkey'."),
+    ] = "redis-server",
     sizes: Annotated[str, typer.Option(help="Entries per record call, comma-separated.")] = "1,32,512",
-    pending: Annotated[str, typer.Option(help="Pending layers before register, comma-separated.")] = "0,1,61",
+    pending: Annotated[str, typer.Option(help="Pending layers before register, comma-separated.")] = "0,1,8,61",
+    layers: Annotated[
+        str, typer.Option(help="Pending layers per slot under record (the record-onto-pending cases).")
+    ] = "1,8,61",
+    layer_sizes: Annotated[str, typer.Option(help="Entries per record call onto pending layers.")] = "32,512",
     iterations: Annotated[int, typer.Option(min=1, help="Timed calls per case.")] = 2000,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed calls first.")] = 200,
     processes: Annotated[int, typer.Option(min=1, help="Contending processes.")] = 4,
@@ -433,8 +441,9 @@ def bench_command(
     from .bench import runner
 
     argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]
+    argv += ["--layers", layers, "--layer-sizes", layer_sizes]
     argv += ["--processes", str(processes), "--duration", str(duration), "--out", str(out)]
-    argv += (["--redis", redis] if redis else []) + (["--json"] if json_output else [])
+    argv += (["--redis", redis] if redis else []) + (["--json"] if json_output else []) + ["--server", server]
     argv += [] if plot else ["--no-plot"]
     raise typer.Exit(runner.main(argv))
 

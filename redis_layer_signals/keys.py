@@ -1,5 +1,6 @@
-"""Key layout. Every key of one instance and rank shares the hash tag ``{ns/instance/rank}``, so
-each script touches a single Cluster slot; key names are built here, never inside Lua."""
+"""Key layout (docs/key-layout.md). Every key of one instance and rank shares the hash tag
+``{ns/instance/rank}``, so each function call touches a single Cluster slot; key names are
+built here, never inside Lua."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from dataclasses import dataclass
 
 from .constants import KEY_PREFIX
 
+PENDING_LAYERS = "layers"
+"""The pending hash's field that lists the layers buffered on the rank (see lua/_lib.lua)."""
+
 
 @dataclass(frozen=True)
 class RankKeys:
     """The keys of one (namespace, instance, rank)."""
 
     tag: str
-    live: str  # hash: slot -> "request_id|lease_deadline_ms"
+    live: str  # hash: slot -> "<lease deadline ms, 16 digits>|<request id>"
     tasks: str  # hash: slot -> task document, "<slot>:recovery" -> first recovery
-    pending: str  # hash: slot -> packed early signals, one per layer
-    expiry: str  # zset: slot scored by its earliest pending deadline
+    pending: str  # hash: "<slot>:<layer>" -> one early signal; "layers" -> the rank's layers
+    expiry: str  # zset: slot group (slot // 8) scored at or before its earliest pending deadline
     stats: str  # hash: counters; the only key without a TTL
 
     def reply(self, token: str) -> str:

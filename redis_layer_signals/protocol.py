@@ -42,8 +42,9 @@ Clock = Callable[[], int]
 
 
 class ScriptCall:
-    """One script run: the script's name, its KEYS and its ARGV. A plain slotted class: one is
-    built per call, and a frozen dataclass takes three times as long to build."""
+    """One function call: the operation (``record``...: which function), its keys and its
+    args. A plain slotted class: one is built per call, and a frozen dataclass takes three
+    times as long to build."""
 
     __slots__ = ("args", "keys", "script")
 

@@ -2,7 +2,7 @@
 
 Redis replicates asynchronously: a primary that dies right after answering takes the last
 writes with it, and a failover promotes a replica that never saw them. With ``wait_replicas``
-set, ``record`` and ``register`` run ``EVALSHA`` and ``WAIT n timeout`` in one pipeline (WAIT
+set, ``record`` and ``register`` run ``FCALL`` and ``WAIT n timeout`` in one pipeline (WAIT
 only counts the writes of its own connection, so both must share it). Fewer acknowledgements
 than asked raise :class:`NotReplicated`, which the buffer's retry loop treats like a lost
 reply: it resends the same call (the script replays its stored reply, a write that WAIT then
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.exceptions import AskError, ConnectionError, MovedError, NoScriptError, TimeoutError
+from redis.exceptions import AskError, ConnectionError, MovedError, TimeoutError
 
 from .errors import InvalidConfig, SignalBufferError
 from .protocol import ScriptCall
-from .scripts import Script
+from .scripts import FUNCTIONS, async_load_library, function_missing, load_library
 
 WAITED_OPERATIONS = ("record", "register")
 """Calls whose effects a caller acts on right away, so they are worth a replica's confirmation."""
@@ -54,23 +54,23 @@ def _check(operation: str, results: list[Any], wanted: int, timeout_ms: int) -> 
     return reply
 
 
-def _pipelined(client: Any, script: Script, call: ScriptCall, wanted: int, timeout_ms: int, asking: bool) -> list[Any]:
+def _pipelined(client: Any, call: ScriptCall, wanted: int, timeout_ms: int, asking: bool) -> list[Any]:
     pipe = client.pipeline(transaction=False)
     if asking:
         pipe.execute_command("ASKING")
-    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+    pipe.fcall(FUNCTIONS[call.script], len(call.keys), *call.keys, *call.args)
     pipe.execute_command("WAIT", wanted, timeout_ms)
     results: list[Any] = pipe.execute(raise_on_error=False)
     return results
 
 
-def run_and_wait(client: Any, script: Script, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
+def run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
     """One script run followed by ``WAIT`` on the same connection; see the module docstring."""
     if not _is_cluster(client):
-        return _run_on(client, script, call, operation, wanted, timeout_ms, asking=False)
+        return _run_on(client, call, operation, wanted, timeout_ms, asking=False)
     node = client.get_node_from_key(call.keys[0])
     try:
-        return _run_on(node.redis_connection, script, call, operation, wanted, timeout_ms, asking=False)
+        return _run_on(node.redis_connection, call, operation, wanted, timeout_ms, asking=False)
     except MovedError as exc:  # before AskError, its base class
         client.nodes_manager.initialize()
         raise SlotMoved(f"{operation}: slot moved to {exc.host}:{exc.port}") from exc
@@ -79,38 +79,34 @@ def run_and_wait(client: Any, script: Script, call: ScriptCall, operation: str, 
         if target is None:
             client.nodes_manager.initialize()
             raise SlotMoved(f"{operation}: slot migrating to unknown node {exc.host}:{exc.port}") from exc
-        return _run_on(target.redis_connection, script, call, operation, wanted, timeout_ms, asking=True)
+        return _run_on(target.redis_connection, call, operation, wanted, timeout_ms, asking=True)
     except (ConnectionError, TimeoutError, OSError):
         client.nodes_manager.initialize()
         raise
 
 
-def _run_on(
-    client: Any, script: Script, call: ScriptCall, operation: str, wanted: int, timeout_ms: int, asking: bool
-) -> Any:
-    results = _pipelined(client, script, call, wanted, timeout_ms, asking)
-    if isinstance(results[-2], NoScriptError):
-        client.script_load(script.text)
-        results = _pipelined(client, script, call, wanted, timeout_ms, asking)
+def _run_on(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int, asking: bool) -> Any:
+    results = _pipelined(client, call, wanted, timeout_ms, asking)
+    if function_missing(results[-2]):
+        load_library(client)  # this node's own client: the node that answered
+        results = _pipelined(client, call, wanted, timeout_ms, asking)
     return _check(operation, results, wanted, timeout_ms)
 
 
-async def async_run_and_wait(
-    client: Any, script: Script, call: ScriptCall, operation: str, wanted: int, timeout_ms: int
-) -> Any:
+async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
     """:func:`run_and_wait` for redis.asyncio (single server or Sentinel)."""
     if _is_cluster(client):  # raised before anything is sent
         raise InvalidConfig("wait_replicas", wanted, "is not supported on an asyncio Redis Cluster client yet")
-    results = await _async_pipelined(client, script, call, wanted, timeout_ms)
-    if isinstance(results[-2], NoScriptError):
-        await client.script_load(script.text)
-        results = await _async_pipelined(client, script, call, wanted, timeout_ms)
+    results = await _async_pipelined(client, call, wanted, timeout_ms)
+    if function_missing(results[-2]):
+        await async_load_library(client)
+        results = await _async_pipelined(client, call, wanted, timeout_ms)
     return _check(operation, results, wanted, timeout_ms)
 
 
-async def _async_pipelined(client: Any, script: Script, call: ScriptCall, wanted: int, timeout_ms: int) -> list[Any]:
+async def _async_pipelined(client: Any, call: ScriptCall, wanted: int, timeout_ms: int) -> list[Any]:
     pipe = client.pipeline(transaction=False)
-    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+    pipe.fcall(FUNCTIONS[call.script], len(call.keys), *call.keys, *call.args)
     pipe.execute_command("WAIT", wanted, timeout_ms)
     results: list[Any] = await pipe.execute(raise_on_error=False)
     return results

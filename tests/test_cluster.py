@@ -55,16 +55,16 @@ def test_keys_of_instances_and_ranks_spread_over_all_three_primaries(cluster: Cl
     buf.close()
 
 
-def test_every_script_call_touches_one_slot(cluster: ClusterTopology, namespace: str) -> None:
+def test_every_function_call_touches_one_slot(cluster: ClusterTopology, namespace: str) -> None:
     buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
     seen: list[set[int]] = []
-    real = buf.client.evalsha
+    real = buf.client.fcall
 
-    def spy(sha: str, numkeys: int, *keys_and_args: str) -> object:
+    def spy(function: str, numkeys: int, *keys_and_args: str) -> object:
         seen.append({key_slot(k.encode()) for k in keys_and_args[:numkeys]})
-        return real(sha, numkeys, *keys_and_args)
+        return real(function, numkeys, *keys_and_args)
 
-    buf.client.evalsha = spy
+    buf.client.fcall = spy
     for rank in range(3):
         buf.record("p0", rank, 0, [(5, 10), (6, 20)])
         buf.register(CacheTask("p0", rank, 5, "r", 100, 4))

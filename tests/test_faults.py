@@ -1,6 +1,6 @@
 """Faults of a single Redis: SIGKILL (and a frozen server) while calls are in flight, a restart
-with AOF ``appendfsync always``, ``SCRIPT FLUSH`` mid-run, what a restart without persistence
-loses, and ``rls simulate --chaos``. Each test starts its own server: they kill it."""
+with AOF ``appendfsync always``, ``FUNCTION FLUSH`` mid-run, what a restart without persistence
+loses (the library too), and ``rls simulate --chaos``. Each test starts its own server: they kill it."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, SignalBuffer
-from redis_layer_signals.scripts import all_scripts
+from redis_layer_signals.scripts import FUNCTIONS, LIBRARY_NAME
 from redis_layer_signals.simulate import SimConfig, simulate
 from redis_layer_signals.simulate.chaos import run_with_chaos
 from tests.churn import churn_during
-from tests.servers import RedisServer, wait_until
+from tests.servers import RedisServer, library_functions, wait_until
 from tests.test_race import assert_every_signal_accounted_once
 from tests.topology import AOF_ALWAYS
 
@@ -134,26 +134,26 @@ def test_sigkill_async_calls_raise_buffer_unavailable(plain_server: RedisServer,
     assert all(isinstance(e, BufferUnavailable) for e in errors), errors
 
 
-def test_restart_with_aof_always_keeps_signals_and_tasks_and_reloads_scripts(
-    aof_server: RedisServer, namespace: str
-) -> None:
+def functions_on(server: RedisServer) -> set[str]:
+    """The functions of our library the server holds (none when it has not got it)."""
+    with server.client() as client:
+        return library_functions(client, LIBRARY_NAME)
+
+
+def test_restart_with_aof_always_keeps_signals_tasks_and_the_library(aof_server: RedisServer, namespace: str) -> None:
     buf = SignalBuffer.from_url(aof_server.url, namespace=namespace, env={}, retry_s=10)
     buf.record("p0", 0, 0, [(5, 100), (6, 200)])
     buf.register(task(slot=7, request_id="live"))
 
     aof_server.restart()  # SIGKILL, then start on the same port and data dir
-    check = aof_server.client()
-    shas = [script.sha for script in all_scripts().values()]
-    assert check.script_exists(*shas) == [False] * len(shas)  # the script cache is gone
+    assert functions_on(aof_server) == set(FUNCTIONS.values())  # the AOF keeps the library
 
-    # The same buffer, its pooled connections now dead: the calls reconnect and reload (NOSCRIPT).
+    # The same buffer, its pooled connections now dead: the calls reconnect.
     assert [(s.layer, s.tokens) for s in buf.register(task(slot=5)).recovered] == [(0, 100)]
     assert buf.record("p0", 0, 1, [(7, 300)]).delivered  # the task registered before the kill is live
     held = buf.task("p0", 0, 7)
     assert held is not None and held.request_id == "live"
     assert [s.tokens for s in buf.pending("p0", 0, 6)] == [200]
-    assert check.script_exists(all_scripts()["register"].sha) == [True]
-    check.close()
     buf.close()
 
 
@@ -171,14 +171,16 @@ def test_restarts_with_aof_always_while_calls_run_lose_and_repeat_nothing(aof_se
     buf.close()
 
 
-def test_script_flush_mid_run_is_transparent(aof_server: RedisServer) -> None:
+def test_function_flush_mid_run_is_transparent(aof_server: RedisServer) -> None:
+    """Calls running while the library is flushed again and again load it and resend, with the
+    same token: every signal is still accounted for once."""
     namespace = f"flush-{uuid.uuid4().hex[:8]}"
     admin = aof_server.client()
 
     def fault() -> None:
         for _ in range(5):
             time.sleep(0.2)  # let the calls get going first
-            admin.script_flush()
+            admin.function_flush()
 
     logs = churn_during(aof_server.url, namespace, fault, retry_s=5)
     buf = SignalBuffer.from_url(aof_server.url, namespace=namespace, env={})
@@ -189,13 +191,16 @@ def test_script_flush_mid_run_is_transparent(aof_server: RedisServer) -> None:
 
 
 def test_restart_without_persistence_loses_everything_buffered(plain_server: RedisServer, namespace: str) -> None:
-    """What AOF is for: Redis without persistence forgets the buffer on restart. The early
-    signal is gone and its task's registration recovers nothing (the request would hang)."""
+    """What AOF is for: Redis without persistence forgets the buffer on restart, and the library
+    with it. The early signal is gone and its task's registration recovers nothing (the request
+    would hang); the register itself works: it loads the library again."""
     buf = SignalBuffer.from_url(plain_server.url, namespace=namespace, env={}, retry_s=10)
     buf.record("p0", 0, 0, [(5, 100)])
     plain_server.restart()
+    assert functions_on(plain_server) == set()
     assert buf.pending("p0", 0, 5) == []
     assert buf.register(task()).recovered == []
+    assert functions_on(plain_server) == set(FUNCTIONS.values())
     buf.close()
 
 

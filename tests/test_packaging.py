@@ -1,4 +1,4 @@
-"""The wheel carries the Lua scripts and works from outside the source tree after a plain
+"""The wheel carries the Lua library's files and works from outside the source tree after a plain
 install into a clean virtual environment (memory:// included: it is the default URL)."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ SMOKE = textwrap.dedent(
     """
     import redis_layer_signals, sys
     from redis_layer_signals import CacheTask, SignalBuffer
-    from redis_layer_signals.scripts import load
+    from redis_layer_signals.scripts import library
     assert "site-packages" in redis_layer_signals.__file__, redis_layer_signals.__file__
     buf = SignalBuffer.from_url(sys.argv[1], namespace="wheel")
     assert [s.slot for s in buf.record("p0", 0, 0, [(5, 100)]).buffered] == [5]
     rec = buf.register(CacheTask("p0", 0, 5, "req-1", need_prefill_tokens=100, num_layers=1))
     assert [s.tokens for s in rec.recovered] == [100]
-    print("ok", load("record").sha)
+    print("ok", library().name)
     """
 )
 

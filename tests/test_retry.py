@@ -114,9 +114,10 @@ def test_script_run_twice_for_one_call_equals_one_run(buf: SignalBuffer) -> None
     assert (stats["registered"], stats["finished"], stats["replayed"]) == (1, 1, 4)
 
 
-def test_scripts_reload_after_script_flush(buf: SignalBuffer) -> None:
+def test_the_library_is_loaded_again_after_function_flush(buf: SignalBuffer) -> None:
+    """On every backend: on the Cluster, FUNCTION FLUSH empties every primary."""
     buf.record("p0", 0, 0, [(5, 1)])
-    buf.client.script_flush()
+    buf.client.function_flush()
     assert buf.record("p0", 0, 0, [(6, 1)]).buffered
     assert [s.tokens for s in buf.register(task()).recovered] == [1]
 

@@ -102,7 +102,7 @@ def user_url(server: RedisServer, user: str) -> str:
     return f"redis://{user}:{PASSWORD}@127.0.0.1:{server.port}/0"
 
 
-def test_acl_lists_exactly_the_commands_the_lua_scripts_call() -> None:
+def test_acl_lists_exactly_the_commands_the_lua_functions_call() -> None:
     called = set()
     for path in LUA_DIR.glob("*.lua"):
         called |= {c.lower() for c in re.findall(r"redis\.p?call\(\s*'([A-Za-z]+)'", path.read_text())}
@@ -111,9 +111,11 @@ def test_acl_lists_exactly_the_commands_the_lua_scripts_call() -> None:
 
 
 def test_docs_show_the_acl_rules_the_library_defines() -> None:
-    page = (LUA_DIR.parent / "docs" / "operations" / "topologies.md").read_text()
-    shown = [line for line in page.splitlines() if line.startswith("ACL SETUSER rls-prod on >PASSWORD ")]
-    assert shown == ["ACL SETUSER rls-prod on >PASSWORD " + " ".join(acl.rules("prod"))]
+    """Every page that shows the least-privilege user shows the rules acl.py defines."""
+    pages = [LUA_DIR.parent / "README.md", *sorted((LUA_DIR.parent / "docs").rglob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
+    shown = [line for line in text.splitlines() if line.startswith("ACL SETUSER rls-prod on >PASSWORD ")]
+    assert shown and set(shown) == {"ACL SETUSER rls-prod on >PASSWORD " + " ".join(acl.rules("prod"))}
 
 
 def test_library_works_under_the_least_privilege_acl(redis_server: RedisServer, namespace: str) -> None:
@@ -121,7 +123,7 @@ def test_library_works_under_the_least_privilege_acl(redis_server: RedisServer, 
     user = f"rls-{uuid.uuid4().hex[:6]}"
     set_user(admin, user, acl.rules())
     buf = SignalBuffer.from_url(user_url(redis_server, user), namespace=namespace, env={}, retry_s=1)
-    admin.script_flush()  # so the restricted user must load the scripts itself (NOSCRIPT path)
+    admin.function_flush()  # so the restricted user must load the library itself ("Function not found")
     assert roundtrip(buf) == [100]
     assert buf.finish("p0", 0, 5, "req-1").removed
     assert buf.stats()["recorded"] == 1

@@ -51,11 +51,13 @@ def delivered_count(buffer: SignalBuffer) -> int:
     return buffer.stats(sweep=False)["delivered"]
 
 
-@given(sha=st.text(min_size=1, max_size=40), keys=st.lists(TEXT, max_size=6), args=st.lists(TEXT, max_size=14))
-def test_packed_call_is_byte_for_byte_what_redis_py_sends(sha: str, keys: list[str], args: list[str]) -> None:
+@given(name=st.text(min_size=1, max_size=40), keys=st.lists(TEXT, max_size=6), args=st.lists(TEXT, max_size=14))
+def test_packed_call_is_byte_for_byte_what_redis_py_sends(name: str, keys: list[str], args: list[str]) -> None:
     packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-    expected = b"".join(packer.pack("EVALSHA", sha, len(keys), *keys, *args))
-    assert wire.evalsha(sha, keys, args) == expected
+    expected = b"".join(packer.pack("FCALL", name, len(keys), *keys, *args))
+    assert wire.fcall(name, keys, args) == expected
+    floor = b"".join(packer.pack("EVALSHA", name, len(keys), *keys, *args))
+    assert wire.evalsha(name, keys, args) == floor
 
 
 def test_plain_clients_go_direct_and_the_others_keep_redis_py(server: RedisServer, cluster: Any) -> None:
@@ -86,7 +88,7 @@ def test_threads_never_read_each_others_replies(direct_buf: SignalBuffer, server
     threads, calls = 16, 60
     for slot in range(1, threads, 2):
         direct_buf.register(task(slot, f"req-{slot}"))
-    # Load record's script first: sixteen first calls racing into NOSCRIPT would each load it
+    # Load the library first: sixteen first calls racing into "Function not found" would each load it
     # on a connection of the client's own pool, which the bound below does not count.
     assert direct_buf.record("p0", 0, 0, [(1, 0)]).delivered
     wrong: list[tuple[int, int]] = []
@@ -171,10 +173,10 @@ def test_killed_connection_is_replaced_and_the_call_runs_once(direct_buf: Signal
     assert our_connections(server) == 2  # the replacement and the pool's
 
 
-def test_script_flush_is_reloaded_on_the_direct_path(direct_buf: SignalBuffer, server: RedisServer) -> None:
+def test_function_flush_is_reloaded_on_the_direct_path(direct_buf: SignalBuffer, server: RedisServer) -> None:
     direct_buf.register(task(1))
     with redis.Redis(port=server.port) as admin:
-        admin.script_flush()
+        admin.function_flush()
     assert direct_buf.record("p0", 0, 0, [(1, 5)]).delivered
     assert delivered_count(direct_buf) == 1
 

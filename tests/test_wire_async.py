@@ -1,5 +1,5 @@
 """AsyncSignalBuffer's direct calls (wire.AsyncDirectCalls) on real redis-servers: concurrent
-tasks, cancelled tasks, kept connections, NOSCRIPT, Sentinel failover, and which clients use them;
+tasks, cancelled tasks, kept connections, a missing library, Sentinel failover, and which clients use them;
 also the kept-connection limit the sync transport shares."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import redis
 import redis.asyncio
 
 from redis_layer_signals import AsyncSignalBuffer, CacheTask, SignalBuffer, wire
+from redis_layer_signals.scripts import LIBRARY_NAME
 from tests.servers import RedisServer
 
 CONCURRENT = 200
@@ -40,7 +41,7 @@ async def abuf(redis_server: RedisServer, namespace: str) -> AsyncIterator[Async
 
 @pytest.fixture
 def admin(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    """A separate sync client, for what an operator sees (CLIENT LIST, SCRIPT FLUSH)."""
+    """A separate sync client, for what an operator sees (CLIENT LIST, FUNCTION FLUSH)."""
     client = redis_server.client()
     yield client
     client.close()
@@ -126,16 +127,17 @@ async def test_connections_stay_bounded_over_many_sequential_calls(
         await buffer.close()
 
 
-async def test_noscript_after_script_flush_is_loaded_and_sent_again(
+async def test_function_not_found_after_function_flush_is_loaded_and_sent_again(
     abuf: AsyncSignalBuffer, admin: redis.Redis
 ) -> None:
     await abuf.record("p0", 0, 0, [(4, 40)])
     connection = direct_of(abuf)._idle[-1]
-    admin.script_flush()
+    admin.function_flush()
     res = await abuf.record("p0", 0, 1, [(4, 41)])
     assert [(s.layer, s.tokens) for s in res.buffered] == [(1, 41)]
-    assert admin.script_exists(abuf._scripts["record"].sha) == [True]
-    # NOSCRIPT is a whole error reply: the connection stayed clean and is kept.
+    names = [entry[entry.index(b"library_name") + 1] for entry in admin.function_list()]  # RESP2: flat pairs
+    assert names == [LIBRARY_NAME.encode()]
+    # "Function not found" is a whole error reply: the connection stayed clean and is kept.
     assert direct_of(abuf)._idle == [connection] and connection.is_connected
 
 
@@ -171,8 +173,8 @@ def test_sync_kept_connections_never_take_the_whole_pool(
     redis_server: RedisServer, namespace: str, admin: redis.Redis
 ) -> None:
     """The same limit on the sync transport: threads on a bounded pool and a server without our
-    scripts (SCRIPT LOAD needs a connection of its own while the others are kept)."""
-    admin.script_flush()
+    library (FUNCTION LOAD needs a connection of its own while the others are kept)."""
+    admin.function_flush()
     buffer = SignalBuffer(redis.Redis.from_url(redis_server.url, max_connections=4), namespace=namespace, env={})
     try:
         with ThreadPoolExecutor(8) as threads:

