@@ -276,7 +276,7 @@ class Protocol:
             raise InvalidTask("replace", replace, "must be a bool")
         call = ScriptCall(
             "register",
-            [keys.live, keys.tasks, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
+            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
                 self._now(),
                 str(task.slot),
@@ -300,7 +300,7 @@ class Protocol:
         validation.identifier(request_id, "request_id", InvalidTask)
         call = ScriptCall(
             "finish",
-            [keys.live, keys.tasks, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
+            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
                 self._now(),
                 str(slot),
