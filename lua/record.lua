@@ -109,9 +109,12 @@ local function record(keys, args)
   count(stats_key, 'delivered', n - #buffered)
   count(stats_key, 'buffered', #buffered)
   count(stats_key, 'superseded', superseded)
-  -- The reply's flags: all D, the common case, is one string.rep; else D, then B where buffered.
-  local flags = string.rep('D', n)
-  if #buffered > 0 then
+  -- The reply's flags. A batch all delivered or all buffered, the common ones, is one
+  -- string.rep; a mixed one is D, then B where buffered.
+  local flags
+  if #buffered == 0 or #buffered == n then
+    flags = string.rep(#buffered == 0 and 'D' or 'B', n)
+  else
     local each = {}
     for i = 1, n do
       each[i] = 'D'
