@@ -40,10 +40,10 @@ the layout's commands cost. What makes the comparison fair, and where it is not 
   request id or deadline, never sweep, refresh a TTL or write a marker (none is due in these
   cases). Every case has one: even register.61's payload, 61 records with their deadlines
   dropped, is one ``gsub``, in C.
-- The bare scripts still run some Lua of their own: reading the entries (one gmatch; on the
-  buffered path with a second capture, "tokens,request_id", which measured cheaper there than
-  plain finds), building each pending record and the reply, and handing the commands their
-  arguments. For 512 buffered entries that Lua is about half of the bare count: the figure is
+- The bare scripts still run some Lua of their own: reading the entries (one gmatch over the
+  slots; on the buffered path a second over the rests, "tokens,request_id"), building each
+  pending record and the reply, and handing the commands their arguments. For 512 buffered
+  entries that Lua is about half of the bare count: the figure is
   the least a Lua script on this layout costs, not the commands' own C alone.
 
 Usage::

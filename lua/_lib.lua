@@ -14,9 +14,9 @@
 -- Keys of one instance and rank, all under the hash tag {namespace/instance/rank}; every one
 -- comes in the call's keys, none is built here:
 --
---   live     hash    "<slot>" -> "<lease deadline ms, 16 digits>|<request id>"; '~' (see
---                    HASHTABLE_FIELD)
---   tasks    hash    "<slot>" -> task document; "<slot>:recovery" -> register's first payload
+--   live     hash    "<slot>" -> "<lease deadline ms, 16 digits>|<request id>";
+--                    "<slot>:task" -> task document; "<slot>:recovery" -> register's first
+--                    payload; '~' (see HASHTABLE_FIELD)
 --   pending  hash    "<slot>:<layer>" -> "<tokens>,<request id>,<recorded at ms>,<deadline ms>"
 --                    (request id empty when unknown), one field per pending signal;
 --                    "layers" -> ",<layer>,<layer>,...,": every layer buffered on the rank since
@@ -164,13 +164,15 @@ local function drop_pending_if_empty(pending_key, expiry_key)
   end
 end
 
--- Refresh the TTLs of two keys that live and die together, once less than ttl plus half the
--- grace (key_ttl - ttl) is left. It only ever lengthens them: a key kept longer by another
--- buffer's longer TTL keeps its TTL.
+-- Refresh the TTL of a key, and of its partner that lives and dies with it (nil: none), once
+-- less than ttl plus half the grace (key_ttl - ttl) is left. It only ever lengthens them: a key
+-- kept longer by another buffer's longer TTL keeps its TTL.
 local function keep_alive(key, partner, ttl, key_ttl)
   if redis.call('PTTL', key) < ttl + math.floor((key_ttl - ttl) / 2) then
     redis.call('PEXPIRE', key, key_ttl)
-    redis.call('PEXPIRE', partner, key_ttl)
+    if partner then
+      redis.call('PEXPIRE', partner, key_ttl)
+    end
   end
 end
 

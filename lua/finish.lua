@@ -1,12 +1,13 @@
 -- finish.lua: FCALL rls_v2_finish, release a slot when its request is done (or aborted),
 -- fenced by request id.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~
--- keys[2] tasks    hash    slot -> task document; "<slot>:recovery" -> its first payload
--- keys[3] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
--- keys[4] expiry   zset    slot group -> at or before its earliest pending deadline
--- keys[5] stats    hash    counters (no TTL)
--- keys[6] reply    string  this call's idempotency token
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>";
+--                          "<slot>:task" -> task document; "<slot>:recovery" -> its first
+--                          payload; '~'
+-- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
+-- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
+-- keys[4] stats    hash    counters (no TTL)
+-- keys[5] reply    string  this call's idempotency token
 -- args[1] now_ms (empty: server TIME)   args[2] slot   args[3] request_id
 -- args[4] reply_ttl_ms                  args[5] sweep limit
 --
@@ -20,8 +21,7 @@
 -- signal recorded after the first run.
 
 local function finish(keys, args)
-  local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
-    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6]
+  local live_key, pending_key, expiry_key, stats_key, reply_key = keys[1], keys[2], keys[3], keys[4], keys[5]
 
   local cached = replayed_reply(reply_key, stats_key)
   if cached then
@@ -42,13 +42,12 @@ local function finish(keys, args)
 
   local removed = 0
   if holder_id == request_id then
-    -- A released rank leaves no keys: live goes when only its encoding field is left, tasks
-    -- (no such field) when its last field goes.
-    redis.call('HDEL', live_key, slot)
+    -- The lease, the task document and the first recovery go together. A released rank
+    -- leaves no keys: live goes when only its encoding field is left.
+    redis.call('HDEL', live_key, slot, slot .. ':task', slot .. ':recovery')
     if redis.call('HLEN', live_key) <= 1 then
       redis.call('DEL', live_key)
     end
-    redis.call('HDEL', tasks_key, slot, slot .. ':recovery')
     removed = 1
     redis.call('HINCRBY', stats_key, 'finished', 1)
   end

@@ -9,8 +9,10 @@
 -- args[1] now_ms (empty: server TIME)      args[2] layer
 -- args[3] pending_ttl_ms                   args[4] pending key TTL in ms (pending_ttl + grace)
 -- args[5] reply_ttl_ms                     args[6] sweep limit (slots per run)
--- args[7] entries, packed "slot,tokens,request_id;" (request_id empty when unknown)
+-- args[7] the entries' slots, "slot," per entry
 -- args[8] "1" when some entry carries a request id, else "0"
+-- args[9] the rest of each entry, "tokens,request_id;" in the same order (request_id empty
+--         when unknown). Apart from the slots: a batch that is all delivered never reads it.
 --
 -- Reply: "ok|<now ms>|<flags>", one flag per entry in order: D delivered (the slot has a live
 -- task of this request, or of any request when the signal carries none), B buffered.
@@ -23,6 +25,15 @@
 -- is the first two summed by the reader). Whatever the slot holds already, a buffered entry
 -- costs one field in one HSET: no read of the slot's other layers.
 
+-- The rests of a batch's entries, "tokens,request_id" each, from args[9] ("...;" per entry).
+local function split_rests(packed)
+  local rests = {}
+  for rest in string.gmatch(packed, '[^;]+') do
+    rests[#rests + 1] = rest
+  end
+  return rests
+end
+
 local function record(keys, args)
   local live_key, pending_key, expiry_key, stats_key, reply_key = keys[1], keys[2], keys[3], keys[4], keys[5]
 
@@ -34,12 +45,14 @@ local function record(keys, args)
   local find, sub = string.find, string.sub -- locals: the loops below use them per entry
   local now = now_ms(args[1])
   local layer = args[2]
-  -- Each entry as its slot and the rest, "tokens,request_id": the start of its stored value.
-  local slots, rests = {}, {}
+  -- The entries' slots. The rest of each entry, "tokens,request_id" (the start of its stored
+  -- value), comes in its own argument, split only when request ids are compared or something
+  -- is buffered: a batch that is all delivered costs one string per entry, not two.
+  local slots = {}
   local n = 0
-  for slot, rest in string.gmatch(args[7], '([^,;]*),([^;]*);') do
+  for slot in string.gmatch(args[7], '[^,]+') do
     n = n + 1
-    slots[n], rests[n] = slot, rest
+    slots[n] = slot
   end
 
   -- Expired signals are counted before anything replaces them.
@@ -53,7 +66,8 @@ local function record(keys, args)
   -- No string is cut per entry, and request ids are looked at only when the batch has some.
   local holders = redis.call('HMGET', live_key, unpack(slots))
   local next16, with_rids = ms16(now + 1), args[8] == '1'
-  local flags, buffered = {}, {}
+  local rests = with_rids and split_rests(args[9]) or nil
+  local buffered = {}
   for i = 1, n do
     local value = holders[i]
     local delivered = value and value > next16
@@ -61,16 +75,14 @@ local function record(keys, args)
       local rest = rests[i]
       delivered = sub(rest, -1) == ',' or sub(rest, find(rest, ',', 1, true) + 1) == sub(value, 18)
     end
-    if delivered then
-      flags[i] = 'D'
-    else
-      flags[i] = 'B'
+    if not delivered then
       buffered[#buffered + 1] = i
     end
   end
 
   local superseded = 0
   if #buffered > 0 then
+    rests = rests or split_rests(args[9])
     local ttl = tonumber(args[3])
     local deadline = fmt(now + ttl)
     local suffix = ',' .. fmt(now) .. ',' .. deadline -- after "tokens,request_id": recorded at, deadline
@@ -78,11 +90,11 @@ local function record(keys, args)
     for k, i in ipairs(buffered) do
       fields[2 * k - 1] = slots[i] .. ':' .. layer
       fields[2 * k] = rests[i] .. suffix
-      local group = fmt(math.floor(tonumber(slots[i]) / EXPIRY_GROUP))
+      local group = math.floor(tonumber(slots[i]) / EXPIRY_GROUP)
       if not groups[group] then
         groups[group] = true
         zadd[#zadd + 1] = deadline
-        zadd[#zadd + 1] = group
+        zadd[#zadd + 1] = fmt(group)
       end
     end
     local created = redis.call('HSET', pending_key, unpack(fields))
@@ -97,7 +109,22 @@ local function record(keys, args)
   count(stats_key, 'delivered', n - #buffered)
   count(stats_key, 'buffered', #buffered)
   count(stats_key, 'superseded', superseded)
-  return remember_reply(reply_key, 'ok|' .. fmt(now) .. '|' .. table.concat(flags), args[5])
+  -- The reply's flags. A batch all delivered or all buffered, the common ones, is one
+  -- string.rep; a mixed one is D, then B where buffered.
+  local flags
+  if #buffered == 0 or #buffered == n then
+    flags = string.rep(#buffered == 0 and 'D' or 'B', n)
+  else
+    local each = {}
+    for i = 1, n do
+      each[i] = 'D'
+    end
+    for _, i in ipairs(buffered) do
+      each[i] = 'B'
+    end
+    flags = table.concat(each)
+  end
+  return remember_reply(reply_key, 'ok|' .. fmt(now) .. '|' .. flags, args[5])
 end
 
 redis.register_function('rls_v2_record', record)

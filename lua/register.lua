@@ -1,16 +1,17 @@
 -- register.lua: FCALL rls_v2_register, make a cache task the holder of its slot and hand it the
 -- slot's early signals.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~
--- keys[2] tasks    hash    slot -> task document; "<slot>:recovery" -> its first payload
--- keys[3] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
--- keys[4] expiry   zset    slot group -> at or before its earliest pending deadline
--- keys[5] stats    hash    counters (no TTL)
--- keys[6] reply    string  this call's idempotency token
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>";
+--                          "<slot>:task" -> task document; "<slot>:recovery" -> its first
+--                          payload; '~'
+-- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
+-- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
+-- keys[4] stats    hash    counters (no TTL)
+-- keys[5] reply    string  this call's idempotency token
 -- args[1] now_ms (empty: server TIME)   args[2] slot            args[3] request_id
 -- args[4] need_prefill_tokens           args[5] num_layers      args[6] task document
 -- args[7] task_ttl_ms                   args[8] reply_ttl_ms    args[9] replace ("1" or "0")
--- args[10] sweep limit                  args[11] live/tasks key TTL in ms (task_ttl + grace)
+-- args[10] sweep limit                  args[11] live key TTL in ms (task_ttl + grace)
 --
 -- Reply: "<status>|<now ms>|<payload>"
 --   ok       payload = popped signals by layer, "layer,tokens,request_id,recorded_at,reason;"
@@ -27,8 +28,7 @@
 -- to read) and one HDEL of those found.
 
 local function register(keys, args)
-  local live_key, tasks_key, pending_key, expiry_key, stats_key, reply_key =
-    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6]
+  local live_key, pending_key, expiry_key, stats_key, reply_key = keys[1], keys[2], keys[3], keys[4], keys[5]
 
   local cached = replayed_reply(reply_key, stats_key)
   if cached then
@@ -48,7 +48,7 @@ local function register(keys, args)
   local holder_id, alive = holder(redis.call('HGET', live_key, slot), now)
   if alive and holder_id == request_id then
     redis.call('HINCRBY', stats_key, 'reregistered', 1)
-    local first = redis.call('HGET', tasks_key, slot .. ':recovery') or ''
+    local first = redis.call('HGET', live_key, slot .. ':recovery') or ''
     return remember_reply(reply_key, 'again' .. head .. first, reply_ttl)
   end
   if alive then
@@ -98,11 +98,11 @@ local function register(keys, args)
     drop_pending_if_empty(pending_key, expiry_key)
   end
 
-  -- live and tasks gain and lose their fields together, so their TTLs are refreshed together.
+  -- The lease, the task document and the first recovery: one HSET of the live hash.
   local task_ttl = tonumber(args[7])
-  redis.call('HSET', live_key, slot, ms16(now + task_ttl) .. '|' .. request_id, HASHTABLE_FIELD, HASHTABLE_VALUE)
-  redis.call('HSET', tasks_key, slot, args[6], slot .. ':recovery', payload)
-  keep_alive(live_key, tasks_key, task_ttl, tonumber(args[11]))
+  redis.call('HSET', live_key, slot, ms16(now + task_ttl) .. '|' .. request_id, slot .. ':task', args[6],
+    slot .. ':recovery', payload, HASHTABLE_FIELD, HASHTABLE_VALUE)
+  keep_alive(live_key, nil, task_ttl, tonumber(args[11]))
 
   redis.call('HINCRBY', stats_key, 'registered', 1)
   count(stats_key, 'recovered', recovered)

@@ -63,12 +63,13 @@ def snapshot(
         if (instance is not None and inst != instance) or (rank is not None and rk != rank):
             continue
         keys = buf.protocol.keys.rank(inst, rk)
-        documents = {text(name): doc for name, doc in buf.client.hgetall(keys.tasks).items()}
-        for s, holder in slot_fields(buf.client.hgetall(keys.live), slot):
+        live = buf.client.hgetall(keys.live)
+        documents = {text(name): doc for name, doc in live.items()}
+        for s, holder in slot_fields(live, slot):
             request_id, deadline = split_holder(holder)
             if deadline <= now:
                 continue  # a lapsed lease is no live task
-            task = decode_task(inst, rk, s, holder, documents.get(str(s)), now)
+            task = decode_task(inst, rk, s, holder, documents.get(f"{s}:task"), now)
             shot.tasks.append(
                 TaskRow(
                     inst,

@@ -16,7 +16,7 @@ from .counters import sum_stats
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
-from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields
+from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
 from .scripts import FUNCTIONS, LibraryMissing, async_load_library, function_missing
 
@@ -55,8 +55,8 @@ class AsyncSignalBuffer(BufferBase):
 
     async def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         keys = self.protocol.slot_keys(instance, rank, slot)
-        holder = await self._retrying("task", lambda: self.client.hget(keys.live, str(slot)))
-        document = await self._retrying("task", lambda: self.client.hget(keys.tasks, str(slot)))
+        fields = task_fields(slot)
+        holder, document = await self._retrying("task", lambda: self.client.hmget(keys.live, fields))
         return decode_task(instance, rank, slot, holder, document, await self.now_ms())
 
     async def now_ms(self) -> int:

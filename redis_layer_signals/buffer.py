@@ -16,7 +16,7 @@ from .counters import sum_stats
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
-from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields
+from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
 from .scripts import FUNCTIONS, LibraryMissing, function_missing, load_library
 
@@ -69,9 +69,9 @@ class SignalBuffer(BufferBase):
     def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         """The slot's live task, or None (read-only)."""
         keys = self.protocol.slot_keys(instance, rank, slot)
-        # Two reads, not one snapshot: decode_task checks that the document is the holder's.
-        holder = self._retrying("task", lambda: self.client.hget(keys.live, str(slot)))
-        document = self._retrying("task", lambda: self.client.hget(keys.tasks, str(slot)))
+        # One read of the lease and the document; decode_task checks that they agree.
+        fields = task_fields(slot)
+        holder, document = self._retrying("task", lambda: self.client.hmget(keys.live, fields))
         return decode_task(instance, rank, slot, holder, document, self.now_ms())
 
     def now_ms(self) -> int:

@@ -18,8 +18,8 @@ class RankKeys:
     """The keys of one (namespace, instance, rank)."""
 
     tag: str
-    live: str  # hash: slot -> "<lease deadline ms, 16 digits>|<request id>"
-    tasks: str  # hash: slot -> task document, "<slot>:recovery" -> first recovery
+    live: str  # hash: slot -> "<lease deadline ms, 16 digits>|<request id>", "<slot>:task" ->
+    # task document, "<slot>:recovery" -> first recovery
     pending: str  # hash: "<slot>:<layer>" -> one early signal; "layers" -> the rank's layers
     expiry: str  # zset: slot group (slot // 8) scored at or before its earliest pending deadline
     stats: str  # hash: counters; the only key without a TTL
@@ -29,9 +29,9 @@ class RankKeys:
         return f"{KEY_PREFIX}:{self.tag}:reply:{token}"
 
     @property
-    def per_request(self) -> tuple[str, str, str, str]:
+    def per_request(self) -> tuple[str, str, str]:
         """Keys that hold per-request state and must carry a TTL."""
-        return (self.live, self.tasks, self.pending, self.expiry)
+        return (self.live, self.pending, self.expiry)
 
 
 class KeySpace:
@@ -50,7 +50,6 @@ class KeySpace:
             cached = RankKeys(
                 tag=tag,
                 live=base + "live",
-                tasks=base + "tasks",
                 pending=base + "pending",
                 expiry=base + "expiry",
                 stats=base + "stats",

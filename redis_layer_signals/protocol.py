@@ -119,13 +119,16 @@ def plain_batch(raw: Any, max_slots: int) -> list[tuple[int, int]] | None:
     return raw
 
 
-def pack_entries(batch: Sequence[tuple[Any, ...]]) -> str:
-    """The wire form of a batch, "slot,tokens,request_id;" per entry (lua/record.lua parses
-    it). An f-string join measured as fast as ``("%d,%d,;" * n) % flat`` once flattening is
-    counted."""
-    if batch and len(batch[0]) == 2:  # a plain batch: pairs only
-        return "".join([f"{slot},{tokens},;" for slot, tokens in batch])
-    return "".join([f"{slot},{tokens},{rid or ''};" for slot, tokens, rid in batch])
+def pack_entries(batch: Sequence[tuple[Any, ...]]) -> tuple[str, str]:
+    """The wire form of a batch (lua/record.lua parses it): the slots, "slot," per entry, and
+    the rests, "tokens,request_id;" per entry (request_id empty when unknown).
+
+    A plain batch (pairs of exact ints) is split into its two columns and each is formatted by
+    one ``%``: 57 against 86 us for 512 entries with an f-string per entry."""
+    if batch and len(batch[0]) == 2:
+        slots, tokens = zip(*batch, strict=True)
+        return "%d," * len(slots) % slots, "%d,;" * len(tokens) % tokens
+    return "".join([f"{e[0]}," for e in batch]), "".join([f"{tokens},{rid or ''};" for _, tokens, rid in batch])
 
 
 class _Record(Prepared[RecordResult]):
@@ -233,7 +236,7 @@ class Protocol:
             with_rids = "1" if any(rid for _slot, _tokens, rid in batch) else "0"
         if not batch:
             return _Record(None, instance, rank, layer, batch, triples)
-        packed = pack_entries(batch)
+        slots, rests = pack_entries(batch)
         call = ScriptCall(
             "record",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
@@ -244,8 +247,9 @@ class Protocol:
                 self._pending_key_ttl,
                 self._reply_ttl,
                 self._sweep,
-                packed,
+                slots,
                 with_rids,
+                rests,
             ],
         )
         return _Record(call, instance, rank, layer, batch, triples)
@@ -272,7 +276,7 @@ class Protocol:
             raise InvalidTask("replace", replace, "must be a bool")
         call = ScriptCall(
             "register",
-            [keys.live, keys.tasks, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
+            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
                 self._now(),
                 str(task.slot),
@@ -296,7 +300,7 @@ class Protocol:
         validation.identifier(request_id, "request_id", InvalidTask)
         call = ScriptCall(
             "finish",
-            [keys.live, keys.tasks, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
+            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
                 self._now(),
                 str(slot),

@@ -247,6 +247,11 @@ def parse_pending(
     return [signal for signal, _deadline in pending_records(instance, rank, slot, found)]
 
 
+def task_fields(slot: int) -> list[str]:
+    """The live hash's fields of one slot's task: its lease entry and its document."""
+    return [str(slot), f"{slot}:task"]
+
+
 def split_holder(holder: Any) -> tuple[str, int]:
     """A live entry, ``"<lease deadline ms, 16 digits>|<request id>"``, as (request id, deadline)."""
     value = text(holder)

@@ -27,7 +27,7 @@ def test_every_key_but_the_counters_has_a_ttl(buf: SignalBuffer) -> None:
     buf.finish("p0", 0, 3, "c")
     keys = namespace_keys(buf)
     kinds = {key.rsplit(":", 1)[-1] if ":reply:" not in key else "reply" for key in keys}
-    assert {"live", "tasks", "pending", "expiry", "stats", "reply"} <= kinds
+    assert {"live", "pending", "expiry", "stats", "reply"} <= kinds
     for key in keys:
         ttl = buf.client.pttl(key)
         if key.endswith(":stats"):

@@ -14,7 +14,7 @@
 -- KEYS[4] stats    hash  (HINCRBY delivered when some are, buffered, superseded)
 -- KEYS[5] reply    string, this call's idempotency token (GET, then SET ... PX)
 -- ARGV[2] layer   ARGV[3] pending_ttl_ms   ARGV[5] reply_ttl_ms   ARGV[6] sweep limit
--- ARGV[7] entries, packed "slot,tokens,request_id;"
+-- ARGV[7] the entries' slots, "slot," each   ARGV[9] their rests, "tokens,request_id;" each
 --
 -- Reply: "ok|<now ms>|" and one flag per entry, D (the slot has a holder) or B: ours' reply.
 --
@@ -34,10 +34,12 @@ local deadline = string.format('%d', now + ARGV[3])
 local suffix = ',' .. string.format('%d', now) .. ',' .. deadline
 
 local slots, rests, n = {}, {}, 0
-for slot, rest in string.gmatch(ARGV[7], '([^,;]*),([^;]*);') do
+for slot in string.gmatch(ARGV[7], '[^,]+') do
   n = n + 1
   slots[n] = slot
-  rests[n] = rest
+end
+for rest in string.gmatch(ARGV[9], '[^;]+') do
+  rests[#rests + 1] = rest
 end
 local holders = redis.call('HMGET', KEYS[1], unpack(slots))
 

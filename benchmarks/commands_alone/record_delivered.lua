@@ -10,7 +10,7 @@
 -- KEYS[3] expiry   zset  (the sweep's ZRANGEBYSCORE, empty)
 -- KEYS[4] stats    hash  (HINCRBY delivered)
 -- KEYS[5] reply    string, this call's idempotency token (GET, then SET ... PX)
--- ARGV[5] reply_ttl_ms   ARGV[6] sweep limit   ARGV[7] entries, packed "slot,tokens,request_id;"
+-- ARGV[5] reply_ttl_ms   ARGV[6] sweep limit   ARGV[7] the entries' slots, "slot," each
 --
 -- Reply: "ok|<now ms>|" and a D per entry: ours' reply on this path.
 --
@@ -26,7 +26,7 @@ local now = t[1] * 1000 + math.floor(t[2] / 1000)
 redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, ARGV[6])
 
 local slots, n = {}, 0
-for slot in string.gmatch(ARGV[7], '([^,;]*),[^;]*;') do
+for slot in string.gmatch(ARGV[7], '[^,]+') do
   n = n + 1
   slots[n] = slot
 end

@@ -33,12 +33,12 @@ def pending_bytes(url: str, namespace: str, slots: int, layers: int) -> dict[str
 
 
 def task_bytes(url: str, namespace: str, tasks: int) -> dict[str, Any]:
-    """Register ``tasks`` tasks (empty meta) on one rank; bytes of live + tasks each."""
+    """Register ``tasks`` tasks (empty meta) on one rank; bytes of the live hash per task."""
     with scratch_buffer(url, namespace, INSTANCE, RANK, max_slots=max(tasks, 1)) as buf:
         for slot in range(tasks):
             buf.register(CacheTask(INSTANCE, RANK, slot, f"req-{slot}", need_prefill_tokens=4096, num_layers=61))
         keys = buf.protocol.keys.rank(INSTANCE, RANK)
-        used = _usage(buf.client, [keys.live, keys.tasks])
+        used = _usage(buf.client, [keys.live])
     return {"tasks": tasks, "bytes": used, "per_task": used / tasks}
 
 
