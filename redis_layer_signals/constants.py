@@ -31,7 +31,7 @@ PENDING_KEY_GRACE_S = 30.0
 """Extra life of the pending hash beyond the pending TTL, so sweeps count expiries before
 the key TTL (the backstop for a dead node) removes them silently."""
 TASK_KEY_GRACE_S = 30.0
-"""Extra life of the live/tasks hashes beyond the task lease."""
+"""Extra life of the live hash (leases and task documents) beyond the task lease."""
 REPLY_GRACE_S = 5.0
 """A reply is remembered for retry_s plus this, longer than any resend of the same call."""
 SWEEP_LIMIT = 64
