@@ -15,7 +15,7 @@
 -- comes in the call's keys, none is built here:
 --
 --   live     hash    "<slot>" -> "<lease deadline ms, 16 digits>|<request id>";
---                    "<slot>:task" -> task document; "<slot>:recovery" -> register's first
+--                    "<slot>:doc" -> task document; "<slot>:recovery" -> register's first
 --                    payload; '~' (see HASHTABLE_FIELD)
 --   pending  hash    "<slot>:<layer>" -> "<tokens>,<request id>,<recorded at ms>,<deadline ms>"
 --                    (request id empty when unknown), one field per pending signal;

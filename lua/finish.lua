@@ -2,7 +2,7 @@
 -- fenced by request id.
 --
 -- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>";
---                          "<slot>:task" -> task document; "<slot>:recovery" -> its first
+--                          "<slot>:doc" -> task document; "<slot>:recovery" -> its first
 --                          payload; '~'
 -- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
@@ -44,7 +44,7 @@ local function finish(keys, args)
   if holder_id == request_id then
     -- The lease, the task document and the first recovery go together. A released rank
     -- leaves no keys: live goes when only its encoding field is left.
-    redis.call('HDEL', live_key, slot, slot .. ':task', slot .. ':recovery')
+    redis.call('HDEL', live_key, slot, slot .. ':doc', slot .. ':recovery')
     if redis.call('HLEN', live_key) <= 1 then
       redis.call('DEL', live_key)
     end

@@ -2,7 +2,7 @@
 -- slot's early signals.
 --
 -- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>";
---                          "<slot>:task" -> task document; "<slot>:recovery" -> its first
+--                          "<slot>:doc" -> task document; "<slot>:recovery" -> its first
 --                          payload; '~'
 -- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
@@ -100,7 +100,7 @@ local function register(keys, args)
 
   -- The lease, the task document and the first recovery: one HSET of the live hash.
   local task_ttl = tonumber(args[7])
-  redis.call('HSET', live_key, slot, ms16(now + task_ttl) .. '|' .. request_id, slot .. ':task', args[6],
+  redis.call('HSET', live_key, slot, ms16(now + task_ttl) .. '|' .. request_id, slot .. ':doc', args[6],
     slot .. ':recovery', payload, HASHTABLE_FIELD, HASHTABLE_VALUE)
   keep_alive(live_key, nil, task_ttl, tonumber(args[11]))
 

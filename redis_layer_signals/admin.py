@@ -69,7 +69,7 @@ def snapshot(
             request_id, deadline = split_holder(holder)
             if deadline <= now:
                 continue  # a lapsed lease is no live task
-            task = decode_task(inst, rk, s, holder, documents.get(f"{s}:task"), now)
+            task = decode_task(inst, rk, s, holder, documents.get(f"{s}:doc"), now)
             shot.tasks.append(
                 TaskRow(
                     inst,

@@ -18,7 +18,7 @@ class RankKeys:
     """The keys of one (namespace, instance, rank)."""
 
     tag: str
-    live: str  # hash: slot -> "<lease deadline ms, 16 digits>|<request id>", "<slot>:task" ->
+    live: str  # hash: slot -> "<lease deadline ms, 16 digits>|<request id>", "<slot>:doc" ->
     # task document, "<slot>:recovery" -> first recovery
     pending: str  # hash: "<slot>:<layer>" -> one early signal; "layers" -> the rank's layers
     expiry: str  # zset: slot group (slot // 8) scored at or before its earliest pending deadline

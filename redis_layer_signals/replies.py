@@ -249,7 +249,7 @@ def parse_pending(
 
 def task_fields(slot: int) -> list[str]:
     """The live hash's fields of one slot's task: its lease entry and its document."""
-    return [str(slot), f"{slot}:task"]
+    return [str(slot), f"{slot}:doc"]
 
 
 def split_holder(holder: Any) -> tuple[str, int]:

@@ -6,7 +6,7 @@
 --
 -- KEYS and ARGV: exactly lua/finish.lua's keys and args, so it is sent with the very arguments
 -- ours is sent with.
--- KEYS[1] live     hash  (HGET slot, HDEL slot, "<slot>:task" and "<slot>:recovery", HLEN)
+-- KEYS[1] live     hash  (HGET slot, HDEL slot, "<slot>:doc" and "<slot>:recovery", HLEN)
 -- KEYS[2] pending  hash  (HGET layers: none here)
 -- KEYS[3] expiry   zset  (the sweep's ZRANGEBYSCORE, empty)
 -- KEYS[4] stats    hash  (HINCRBY finished)
@@ -28,7 +28,7 @@ local slot = ARGV[2]
 
 redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, ARGV[5])
 redis.call('HGET', KEYS[1], slot)
-redis.call('HDEL', KEYS[1], slot, slot .. ':task', slot .. ':recovery')
+redis.call('HDEL', KEYS[1], slot, slot .. ':doc', slot .. ':recovery')
 redis.call('HLEN', KEYS[1])
 redis.call('HINCRBY', KEYS[4], 'finished', 1)
 redis.call('HGET', KEYS[2], 'layers')

@@ -8,7 +8,7 @@
 --
 -- KEYS and ARGV: exactly lua/register.lua's keys and args, so it is sent with the very
 -- arguments ours is sent with.
--- KEYS[1] live     hash  (HGET slot, HSET slot, "<slot>:task", "<slot>:recovery" and '~')
+-- KEYS[1] live     hash  (HGET slot, HSET slot, "<slot>:doc", "<slot>:recovery" and '~')
 -- KEYS[2] pending  hash  (HGET layers; HMGET of the slot's field per layer, HDEL of those found
 --                         and HLEN, when the rank has layers)
 -- KEYS[3] expiry   zset  (the sweep's ZRANGEBYSCORE, empty)
@@ -60,7 +60,7 @@ if list then
 end
 local payload = table.concat(parts)
 
-redis.call('HSET', KEYS[1], slot, string.format('%d', now + ARGV[7]) .. '|' .. ARGV[3], slot .. ':task', ARGV[6],
+redis.call('HSET', KEYS[1], slot, string.format('%d', now + ARGV[7]) .. '|' .. ARGV[3], slot .. ':doc', ARGV[6],
   slot .. ':recovery', payload, '~', MARKER)
 redis.call('PTTL', KEYS[1])
 redis.call('HINCRBY', KEYS[4], 'registered', 1)
