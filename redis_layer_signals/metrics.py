@@ -11,7 +11,7 @@ Embedding process::
 Names follow the Prometheus naming guide: counters end in ``_total``, durations are in seconds
 (``_seconds``), one counter per event with a label for its kind (``rls_dropped_total{reason}``).
 The counter names are derived from the ``stats`` hash fields by :func:`counter_sample`, so a
-counter added to the scripts (or written by the FastDeploy bridge) is exported without a change
+counter added to the library's functions (or written by the FastDeploy bridge) is exported without a change
 here.
 """
 
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,10 +40,6 @@ DROPPED_PREFIX = "dropped_"
 """``dropped_<reason>`` fields become one ``rls_dropped_total`` counter with a ``reason`` label."""
 MILLISECONDS_SUFFIX = "_ms"
 """``<name>_ms`` fields are durations: exported as ``rls_<name>_seconds_total``, in seconds."""
-EXPORTED_FIELDS = COUNTERS
-"""Every rank reports these (0 until they happen), so every series of the dashboard exists; they
-include the fields the FastDeploy bridge adds when it reconciles after an outage (``degraded_ms``,
-``served_locally``, ``reconciled``)."""
 
 HELP = {
     "recorded": "Signals accepted by record (delivered + buffered)",
@@ -86,8 +82,10 @@ def counter_sample(field: str, value: float) -> CounterSample:
 
 
 def rank_counters(raw: dict[Any, Any]) -> dict[str, float]:
-    """One rank's ``stats`` hash as counters, every exported field present."""
-    counters: dict[str, float] = dict.fromkeys(EXPORTED_FIELDS, 0.0)
+    """One rank's ``stats`` hash as counters. Every field of :data:`~.counters.COUNTERS` is
+    present (0 until it happens), so every series of the dashboard exists, the fields the
+    FastDeploy bridge adds after an outage included."""
+    counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
     for name, value in raw.items():
         counters[text(name)] = float(value)  # HINCRBYFLOAT fields too
     # record.lua counts delivered and buffered only: one counter write fewer per call.
@@ -104,7 +102,46 @@ def read_rank_stats(buffer: SignalBuffer) -> dict[tuple[str, int], dict[str, flo
     }
 
 
-class BufferMetrics:
+T = TypeVar("T")
+
+
+class TrackedCollector(Collector, Generic[T]):
+    """A collector over objects added while the process runs (buffers, bridges): each scrape
+    works on a copy of the list, taken under a lock, so ``add`` may race with a scrape."""
+
+    def __init__(self) -> None:
+        self._tracked: list[T] = []
+        self._lock = threading.Lock()
+
+    def add(self, item: T) -> None:
+        with self._lock:
+            self._tracked.append(item)
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            tracked = list(self._tracked)
+        return self.collect_from(tracked)
+
+    def collect_from(self, tracked: list[T]) -> Iterable[Metric]:
+        raise NotImplementedError
+
+
+class Exporter:
+    """A registry of its own (so several can live in one process), rendered or served."""
+
+    registry: CollectorRegistry
+
+    def render(self) -> bytes:
+        """The Prometheus text format, for an endpoint the embedding process already has."""
+        return bytes(generate_latest(self.registry))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
+        """Serve ``/metrics`` on a background thread; returns the HTTP server (``shutdown()``)."""
+        server, _thread = start_http_server(port, addr, registry=self.registry)
+        return server
+
+
+class BufferMetrics(Exporter):
     """A registry of its own (so several can live in one process) with the latency histogram
     and, for every tracked buffer, its ranks' counters."""
 
@@ -128,32 +165,13 @@ class BufferMetrics:
         """Export the counters of every rank of ``buffer``'s namespace on every scrape."""
         self._counters.add(buffer)
 
-    def render(self) -> bytes:
-        """The Prometheus text format, for an endpoint the embedding process already has."""
-        return bytes(generate_latest(self.registry))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
-        """Serve ``/metrics`` on a background thread; returns the HTTP server (``shutdown()``)."""
-        server, _thread = start_http_server(port, addr, registry=self.registry)
-        return server
-
-
-class _CounterCollector(Collector):
+class _CounterCollector(TrackedCollector[SignalBuffer]):
     def __init__(self, metrics: BufferMetrics) -> None:
+        super().__init__()
         self.metrics = metrics
-        self.buffers: list[SignalBuffer] = []
-        self.lock = threading.Lock()
 
-    def add(self, buffer: SignalBuffer) -> None:
-        with self.lock:
-            self.buffers.append(buffer)
-
-    def collect(self) -> Iterable[Metric]:
-        with self.lock:
-            buffers = list(self.buffers)
-        return self._collect(buffers)
-
-    def _collect(self, buffers: list[SignalBuffer]) -> Iterator[Metric]:
+    def collect_from(self, buffers: list[SignalBuffer]) -> Iterator[Metric]:
         up = GaugeMetricFamily(
             f"{METRIC_PREFIX}_up",
             "1 when the last scrape read the namespace's counters from Redis",

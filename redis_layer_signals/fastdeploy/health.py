@@ -12,14 +12,14 @@ that Redis is unreachable)::
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+
+from ..metrics import RANK_LABELS, Exporter, TrackedCollector
 
 if TYPE_CHECKING:
     from .bridge import Layer0Bridge
@@ -51,7 +51,7 @@ class BridgeHealth:
     """Layer-0 signals not queued because the sender already had one as far along."""
 
 
-class BridgeMetrics:
+class BridgeMetrics(Exporter):
     """A registry of its own with one collector over every tracked bridge."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -62,34 +62,12 @@ class BridgeMetrics:
     def track(self, bridge: Layer0Bridge) -> None:
         self._collector.add(bridge)
 
-    def render(self) -> bytes:
-        return bytes(generate_latest(self.registry))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
-        """Serve ``/metrics`` on a background thread; returns the HTTP server (``shutdown()``)."""
-        server, _thread = start_http_server(port, addr, registry=self.registry)
-        return server
+LABELS = list(RANK_LABELS)
 
 
-LABELS = ["namespace", "instance", "rank"]
-
-
-class _BridgeCollector(Collector):
-    def __init__(self) -> None:
-        self._bridges: list[Layer0Bridge] = []
-        self._lock = threading.Lock()
-
-    def add(self, bridge: Layer0Bridge) -> None:
-        with self._lock:
-            self._bridges.append(bridge)
-
-    def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            bridges = list(self._bridges)
-        return self._collect(bridges)
-
-    @staticmethod
-    def _collect(bridges: list[Layer0Bridge]) -> Iterator[Metric]:
+class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
+    def collect_from(self, bridges: list[Layer0Bridge]) -> Iterator[Metric]:
         degraded = GaugeMetricFamily("rls_bridge_degraded", "1 while the bridge serves locally", labels=LABELS)
         seconds = CounterMetricFamily("rls_bridge_degraded_seconds", "Seconds the bridge served locally", labels=LABELS)
         episodes = CounterMetricFamily("rls_bridge_episodes", "Times Redis became unreachable", labels=LABELS)
