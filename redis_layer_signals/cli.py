@@ -170,6 +170,7 @@ def outage_run(
     err.print(f"reference messager, {requests} requests, Redis SIGKILLed for {down_s}s, restart: {restart}")
     report = run_outage(restart, requests=requests, seed=seed, layers=layers, retry_s=retry_s, down_s=down_s)
     outcome, health = report.outcome, report.outcome.health
+    problems = report.problems()
     figures = {
         "restart": restart,
         "killed_at_step": report.killed_at_step,
@@ -186,7 +187,7 @@ def outage_run(
         "counters_before_kill": {k: v for k, v in report.before.items() if v},
         "counters_at_end": {k: v for k, v in (outcome.stats or {}).items() if v} if outcome.stats else None,
         "decided_locally_not_written_back": outcome.local_counts,
-        "problems": report.problems(),
+        "problems": problems,
     }
     grid = Table("figure", "value")
     for name, value in figures.items():
@@ -195,8 +196,8 @@ def outage_run(
     if json_path is not None:
         json_path.write_text(json.dumps(figures, indent=2) + "\n")
     if figures["problems"]:
-        err.print(f"[red]FAILED[/red]: {len(report.problems())} problem(s)")
-        for line in clip(report.problems()):
+        err.print(f"[red]FAILED[/red]: {len(problems)} problem(s)")
+        for line in clip(problems):
             err.print(f"  - {line}", markup=False)
         raise typer.Exit(EXIT_FAILED)
     out.print(

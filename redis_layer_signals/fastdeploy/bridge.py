@@ -123,7 +123,9 @@ class Layer0Bridge:
         self._errors: collections.Counter[str] = collections.Counter()
         self._reconciled = 0
         self._suppressed = 0
-        self._logged_invalid: set[str] = set()
+        self._logged: set[str] = set()
+        """Kinds of error already logged (bad input per hook, a bug per hook and type): each is
+        logged once, until its hook succeeds again."""
         self._closed = threading.Event()
         self._reconciler: threading.Thread | None = None
         self._replaying = threading.Lock()
@@ -169,7 +171,7 @@ class Layer0Bridge:
             with self._lock:
                 self._degrade(operation, exc)
                 return self._record_locally(entries)
-        self._logged_invalid.discard(operation)
+        self._logged.discard(operation)
         with self._lock:
             queued, repair = self._settle_record(result)
         for task in repair:
@@ -222,7 +224,7 @@ class Layer0Bridge:
                 held = self._gates.pop(slot, [])
                 queued = self._register_locally(task)
                 return queued + self._queue(held)
-        self._logged_invalid.discard(operation)
+        self._logged.discard(operation)
         with self._lock:
             return self._settle_register(task, result)
 
@@ -249,14 +251,14 @@ class Layer0Bridge:
         with self._lock:
             if self._degraded_since is not None:
                 return self._finish_locally(current_id, request_id)
-            self.local.finish(current_id, request_id)
+            removed, dropped, fenced = self.local.finish(current_id, request_id)
         try:
             result = self.buffer.finish(self.instance, self.rank, current_id, request_id)
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
                 self._note_local(operation, FinishOp(current_id, request_id))
-            return FinishResult(removed=False, dropped=0, fenced=False)
+            return FinishResult(removed=removed, dropped=dropped, fenced=fenced)  # decided here
         if result.fenced:
             logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
         return result
@@ -397,7 +399,6 @@ class Layer0Bridge:
                 reason.value,
             )
         recovered = [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
-        copy = self.local.early.get(task.slot)
         if self.registers_tasks:
             answered = any(s.layer == SIGNAL_LAYER for s in result.recovered) or any(
                 s.layer == SIGNAL_LAYER for s, _ in result.dropped
@@ -409,7 +410,7 @@ class Layer0Bridge:
                 self._log_local_verdict(task, early, refusal)
                 if refusal is None:
                     recovered.append((task.slot, early.tokens))
-        elif copy is not None:
+        else:
             self.local.early.pop(task.slot, None)
         if result.repeated:
             recovered = []  # the same handoff: its batch was queued the first time
@@ -577,8 +578,9 @@ class Layer0Bridge:
         traceback once per kind, and let FastDeploy's loop go on."""
         with self._lock:
             self._errors[operation] += 1
-            first = f"bug:{operation}:{type(exc).__name__}" not in self._logged_invalid
-            self._logged_invalid.add(f"bug:{operation}:{type(exc).__name__}")
+            kind = f"bug:{operation}:{type(exc).__name__}"
+            first = kind not in self._logged
+            self._logged.add(kind)
         if first:
             logger.error("%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, exc_info=exc)
 
@@ -586,8 +588,8 @@ class Layer0Bridge:
         """Count bad input; log it once until the same hook succeeds again."""
         with self._lock:
             self._errors[operation] += 1
-            first = operation not in self._logged_invalid
-            self._logged_invalid.add(operation)
+            first = operation not in self._logged
+            self._logged.add(operation)
         if first:
             logger.error("%s/%d: %s skipped invalid input: %s", self.instance, self.rank, operation, exc)
         else:

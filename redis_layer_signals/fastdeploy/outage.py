@@ -21,7 +21,7 @@ from ..bench.server import LocalRedis
 from ..buffer import SignalBuffer
 from ..errors import InvalidConfig
 from .reference import ReferenceMessager
-from .workload import INSTANCE, RANK, Outcome, run
+from .workload import INSTANCE, RANK, Outcome, make_plans, run
 
 RESTARTS = ("empty", "aof", "never")
 AOF_ALWAYS = ("--appendonly", "yes", "--appendfsync", "always")
@@ -203,7 +203,5 @@ def run_outage(
 
 def _steps(requests: int, seed: int) -> int:
     """Roughly how many driver steps a run takes: every chunk in a step of ~2, plus each task."""
-    from .workload import make_plans
-
     plans = make_plans(seed, requests)
     return sum(len(p.chunks) for p in plans) // 2 + requests
