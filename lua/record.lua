@@ -1,7 +1,7 @@
 -- record.lua: FCALL rls_v2_record, deliver or buffer one batch of layer signals of one
 -- instance and rank.
 --
--- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~' (see _lib.lua)
 -- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)

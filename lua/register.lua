@@ -68,9 +68,10 @@ local function register(keys, args)
   for i, layer in ipairs(layers) do
     local value = values[i]
     if value then
-      -- "tokens,request_id,recorded_at," is the payload's part as stored, the deadline follows.
-      local head, tokens, rid, deadline = string.match(value, '^(([^,]*),([^,]*),[^,]*,)(.*)$')
-      local count = tonumber(tokens)
+      -- "tokens,request_id,recorded_at," is the payload's part as stored, the deadline follows
+      -- (the layout parse_signal reads; matched here to keep that part whole).
+      local stored, tokens_text, rid, deadline = string.match(value, '^(([^,]*),([^,]*),[^,]*,)(.*)$')
+      local tokens = tonumber(tokens_text)
       local reason = ''
       if tonumber(deadline) <= now then
         reason = 'expired'
@@ -78,9 +79,9 @@ local function register(keys, args)
         reason = 'request_mismatch'
       elseif tonumber(layer) >= num_layers then
         reason = 'layer_out_of_range'
-      elseif count <= 0 then
+      elseif tokens <= 0 then
         reason = 'non_positive'
-      elseif count > need then
+      elseif tokens > need then
         reason = 'over_need'
       end
       if reason == '' then
@@ -88,7 +89,7 @@ local function register(keys, args)
       else
         dropped[reason] = (dropped[reason] or 0) + 1
       end
-      parts[#parts + 1] = layer .. ',' .. head .. reason .. ';'
+      parts[#parts + 1] = layer .. ',' .. stored .. reason .. ';'
       popped[#popped + 1] = fields[i]
     end
   end
