@@ -4,8 +4,9 @@
 -- redis_layer_signals/scripts.py joins this file and record.lua, register.lua, finish.lua and
 -- sweep.lua, in that order, into one library, loaded once per server with FUNCTION LOAD and
 -- called with FCALL rls_v2_<operation>. The "v2" in both names is the library's version: a
--- release that changes what a function does or how the keys are laid out loads under a new
--- name, so two client releases can share a server during a rolling upgrade.
+-- release that changes what a function does loads under a new name, so two client releases
+-- never replace each other's functions on a shared server. A release that also changes how
+-- the keys are laid out must version its key names too (nothing released uses another layout).
 --
 -- Loading runs this code once, and Redis 7.0 refuses any global (string, math, table, unpack,
 -- redis.call) while it does: top-level code only declares locals and registers functions, and

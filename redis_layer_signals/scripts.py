@@ -7,8 +7,10 @@ line and defines the shared helpers, each operation file defines its function an
 it as ``rls_v2_<operation>``.
 
 The version in the names (:data:`LIBRARY_NAME`) changes whenever a release changes what a
-function does or how the keys are laid out, so two client releases can share a server during
-a rolling upgrade, each calling its own library.
+function does, so two client releases never replace each other's functions on a shared server,
+each calling its own library. Both read and write the same keys: a release that changes the
+key layout must also put a layout version in the key names (:mod:`.keys`), which this first
+released layout does not need.
 
 A server without the library (a restart without persistence, a new Cluster node, a replica
 promoted before it got it, ``FUNCTION FLUSH``) answers an FCALL with "Function not found";
