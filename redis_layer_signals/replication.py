@@ -1,11 +1,11 @@
-"""Optional synchronous replication: run a script, then ``WAIT`` for replicas, on one connection.
+"""Optional synchronous replication: call a function, then ``WAIT`` for replicas, on one connection.
 
 Redis replicates asynchronously: a primary that dies right after answering takes the last
 writes with it, and a failover promotes a replica that never saw them. With ``wait_replicas``
 set, ``record`` and ``register`` run ``FCALL`` and ``WAIT n timeout`` in one pipeline (WAIT
 only counts the writes of its own connection, so both must share it). Fewer acknowledgements
 than asked raise :class:`NotReplicated`, which the buffer's retry loop treats like a lost
-reply: it resends the same call (the script replays its stored reply, a write that WAIT then
+reply: it resends the same call (the function replays its stored reply, a write that WAIT then
 covers) until the replicas confirm or ``retry_s`` runs out (``BufferUnavailable``).
 
 On Redis Cluster the pipeline goes to the node that owns the call's hash slot; a ``MOVED``
@@ -20,7 +20,7 @@ from redis.exceptions import AskError, ConnectionError, MovedError, TimeoutError
 
 from .errors import InvalidConfig, SignalBufferError
 from .protocol import ScriptCall
-from .scripts import FUNCTIONS, async_load_library, function_missing, load_library
+from .scripts import FUNCTIONS, LibraryMissing, async_load_library, function_missing, load_library
 
 WAITED_OPERATIONS = ("record", "register")
 """Calls whose effects a caller acts on right away, so they are worth a replica's confirmation."""
@@ -65,7 +65,7 @@ def _pipelined(client: Any, call: ScriptCall, wanted: int, timeout_ms: int, aski
 
 
 def run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
-    """One script run followed by ``WAIT`` on the same connection; see the module docstring."""
+    """One function call followed by ``WAIT`` on the same connection; see the module docstring."""
     if not _is_cluster(client):
         return _run_on(client, call, operation, wanted, timeout_ms, asking=False)
     node = client.get_node_from_key(call.keys[0])
@@ -90,7 +90,15 @@ def _run_on(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_
     if function_missing(results[-2]):
         load_library(client)  # this node's own client: the node that answered
         results = _pipelined(client, call, wanted, timeout_ms, asking)
+        _missing_again(operation, results)
     return _check(operation, results, wanted, timeout_ms)
+
+
+def _missing_again(operation: str, results: list[Any]) -> None:
+    """The library went missing between its load and the resend: nothing ran, retry (as the
+    direct path does)."""
+    if function_missing(results[-2]):
+        raise LibraryMissing(f"{operation}: the library went missing again after loading it") from results[-2]
 
 
 async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
@@ -101,6 +109,7 @@ async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, want
     if function_missing(results[-2]):
         await async_load_library(client)
         results = await _async_pipelined(client, call, wanted, timeout_ms)
+        _missing_again(operation, results)
     return _check(operation, results, wanted, timeout_ms)
 
 
