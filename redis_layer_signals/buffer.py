@@ -1,5 +1,5 @@
 """The synchronous buffer: validation and packing come from :mod:`.protocol`, this module only
-runs the calls on a redis-py client, with bounded retries and script reloading."""
+runs the calls on a redis-py client, with bounded retries and reloading of the Functions library."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class SignalBuffer(BufferBase):
 
     ``record`` delivers a signal whose slot has a live task and buffers the others;
     ``register`` makes a task live and pops its slot's early signals; ``finish`` releases the
-    slot, fenced by request id. Each is one Lua script run, atomic on the server.
+    slot, fenced by request id. Each is one Lua function call, atomic on the server.
     """
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Names and defaults shared by the library, the scripts' callers and the CLI."""
+"""Names and defaults shared by the library, the functions' callers and the CLI."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ DEFAULT_RETRY_S = 3.0
 """How long one call keeps resending before it raises BufferUnavailable."""
 
 MAX_BATCH = 512
-"""Entries accepted by one ``record`` call: one script run, bounded work."""
+"""Entries accepted by one ``record`` call: one function call, bounded work."""
 MAX_RANK = 65535
 MAX_INT = 2**53
 """Layers, tokens and need_prefill_tokens are ints below this (exact in Lua's doubles)."""
@@ -35,7 +35,7 @@ TASK_KEY_GRACE_S = 30.0
 REPLY_GRACE_S = 5.0
 """A reply is remembered for retry_s plus this, longer than any resend of the same call."""
 SWEEP_LIMIT = 64
-"""Slots one script run may sweep for expired signals: bounds the time a script blocks."""
+"""Slots one call may sweep for expired signals: bounds the time a function blocks the server."""
 
 DEFAULT_WAIT_REPLICAS = 0
 """Replicas that must confirm a record or register before it returns (0: asynchronous, no WAIT)."""

@@ -30,7 +30,7 @@ def text(value: Any) -> str:
 
 
 def split_reply(reply: Any) -> tuple[str, int, str]:
-    """A script's reply, "<status>|<now_ms>|<payload>", in its three parts."""
+    """A function's reply, "<status>|<now_ms>|<payload>", in its three parts."""
     status, now, payload = (reply.decode() if type(reply) is bytes else text(reply)).split("|", 2)
     return status, int(now), payload
 

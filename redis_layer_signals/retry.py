@@ -23,7 +23,7 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     rx.ClusterError,  # Cluster: redirections (TRYAGAIN during a migration) exhausted for now
     LibraryMissing,  # a FUNCTION FLUSH between loading the library and resending: nothing ran
     OSError,
-    NotReplicated,  # wait_replicas: resend; the script replays its reply and WAIT runs again
+    NotReplicated,  # wait_replicas: resend; the function replays its reply and WAIT runs again
     SlotMoved,
 )
 """Errors after which the same call may succeed when sent again."""

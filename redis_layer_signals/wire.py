@@ -1,4 +1,4 @@
-"""Script calls sent straight down a pooled connection, packed by hiredis.
+"""Function calls (FCALL) sent straight down a pooled connection, packed by hiredis.
 
 redis-py 8's ``execute_command`` wraps every command in a pool checkout (a lock, a ``poll``
 to make sure the connection holds no stale data, and connection-count metrics), a retry
@@ -97,7 +97,7 @@ class _KeptConnections:
         self._idle: list[Any] = []
         self._generation = _generation
         # Kept idle connections count as in use for the pool. At most half its size are kept,
-        # so they never starve the client's own commands (SCRIPT LOAD, reads, WAIT): a burst of
+        # so they never starve the client's own commands (FUNCTION LOAD, reads, WAIT): a burst of
         # calls may borrow every connection of a bounded pool (redis.asyncio's default is 100).
         self._keep_limit = self._pool.max_connections // 2
         # Set by close(): a call still in flight then hands its connection back, not keeps it.

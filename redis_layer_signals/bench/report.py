@@ -111,7 +111,7 @@ def check(values: dict[str, float]) -> list[dict[str, Any]]:
 
 def reference(values: dict[str, float]) -> list[dict[str, Any]]:
     """For each target against the floor, the same ratio against ``floor_direct``: what our
-    scripts cost over the least possible call sent the way ours is sent. Not a target."""
+    functions cost over the least possible call sent the way ours is sent. Not a target."""
     rows = []
     for name, _, _ in TARGETS:
         if name.endswith("ours/floor"):
@@ -142,7 +142,7 @@ def _reference_table(values: dict[str, float]) -> list[str]:
         "## Against the floor sent the same way (reference, not a target)",
         "",
         "The floor above is the issue's: EVALSHA of a no-op sent through redis-py's command path. "
-        "The sync buffer sends its scripts packed on kept connections and skips that path; "
+        "The sync buffer sends its FCALLs packed on kept connections and skips that path; "
         "`floor_direct` sends the same no-op the same way, so these ratios show what our scripts "
         "cost over the least possible call (p50 latency; contention: throughput).",
         "",
@@ -225,7 +225,7 @@ def markdown(result: dict[str, Any]) -> str:
             )
     server = result.get("scaling", {})
     if server:
-        lines += ["", "## Server cost (EVALSHA time from INFO commandstats)", ""]
+        lines += ["", "## Server cost (FCALL and EVALSHA time from INFO commandstats)", ""]
         lines += ["| record entries | µs/call | µs/entry |", "|---:|---:|---:|"]
         for row in server.get("record_per_entry", []):
             lines.append(

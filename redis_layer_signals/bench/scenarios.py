@@ -46,7 +46,7 @@ class Case:
     size: int  # entries per record call, or pending layers for register
     impl: str  # "ours", "floor", "floor_direct", "naive", "dict"
     summary: Summary
-    server_us: float | None = None  # EVALSHA time on the server per call (ours and floor)
+    server_us: float | None = None  # FCALL (ours) or EVALSHA (floor) time on the server per call
 
     def as_dict(self) -> dict[str, Any]:
         return {
