@@ -138,7 +138,8 @@ def test_default_profile_runs_as_local_processes_and_every_node_passes(
     server = RedisServer(args=redis_args(compose["services"]["redis"], addresses))
     servers.append(server.start())
     addresses.add("redis", REDIS_PORT, server.port)
-    assert server.client().config_get("appendonly") == {"appendonly": "yes"}
+    with server.client() as client:
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
     run_stack(local, PROFILES[None])
 
     inspect = subprocess.run(
@@ -151,7 +152,8 @@ def test_default_profile_runs_as_local_processes_and_every_node_passes(
     assert inspect.returncode == 0, inspect.stderr
     shot = json.loads(inspect.stdout)
     assert shot["namespace"] == "cluster" and shot["tasks"] == [] and shot["pending"] == []
-    stats = server.client().hgetall("rls:{cluster/p0/0}:stats")
+    with server.client() as client:
+        stats = client.hgetall("rls:{cluster/p0/0}:stats")
     assert int(stats[b"registered"]) > 0
 
 
@@ -214,9 +216,10 @@ def test_sentinel_profile_runs_the_group_and_every_node_passes(
     run_stack(local, PROFILES["sentinel"])
 
     # Written through the sentinels' primary, and replicated.
-    wait_until(lambda: replica.client().hget("rls:{cluster/p0/0}:stats", "registered") is not None,
-               timeout=30, what="the counters on the replica")  # fmt: skip
-    assert int(primary.client().hget("rls:{cluster/p0/0}:stats", "registered") or 0) > 0
+    with replica.client() as on_replica, primary.client() as on_primary:
+        wait_until(lambda: on_replica.hget("rls:{cluster/p0/0}:stats", "registered") is not None,
+                   timeout=30, what="the counters on the replica")  # fmt: skip
+        assert int(on_primary.hget("rls:{cluster/p0/0}:stats", "registered") or 0) > 0
 
 
 def test_observability_profile_exporter_and_prometheus_run_as_the_file_starts_them(

@@ -86,13 +86,13 @@ def exported(redis_server: RedisServer) -> Iterator[dict[str, set[str]]]:
     """Sample name -> its label names, from both live exporters after one of each call."""
     metrics = BufferMetrics()
     buf = SignalBuffer.from_url(redis_server.url, namespace="deploy-check", observer=metrics.observe, env={})
-    metrics.track(buf)
-    buf.record("p0", 0, 0, [(1, 100), (2, 100)])
-    buf.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=50, num_layers=2))
-    buf.finish("p0", 0, 1, "r1")
-    bridge_metrics = BridgeMetrics()
-    bridge_metrics.track(Layer0Bridge(buf, "p1", 0, num_layers=2))
     try:
+        metrics.track(buf)
+        buf.record("p0", 0, 0, [(1, 100), (2, 100)])
+        buf.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=50, num_layers=2))
+        buf.finish("p0", 0, 1, "r1")
+        bridge_metrics = BridgeMetrics()
+        bridge_metrics.track(Layer0Bridge(buf, "p1", 0, num_layers=2))
         metrics.render()  # a first scrape times the "stats" call, so its series exists too
         names = sample_labels(scrape(metrics))
         bridge = sample_labels(scrape(bridge_metrics))

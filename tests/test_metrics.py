@@ -163,16 +163,15 @@ def test_rls_metrics_serves_the_namespace_counters_over_http(redis_server: Redis
 def test_every_rank_of_a_cluster_is_read_from_the_node_that_holds_it(cluster: ClusterTopology, namespace: str) -> None:
     """The ranks' stats hashes live on different primaries; the exporter finds every one."""
     metrics = BufferMetrics()
-    buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
-    metrics.track(buf)
-    pairs = [(f"p{i}", rank) for i in range(4) for rank in range(2)]
-    for n, (instance, rank) in enumerate(pairs, start=1):
-        buf.record(instance, rank, 0, [(slot, 10) for slot in range(n)])
-    holders = {cluster.node_for_key(buf.protocol.keys.rank(i, r).stats).port for i, r in pairs}
-    assert len(holders) >= 2  # otherwise this test would not cover more than one node
+    with SignalBuffer.from_url(cluster.url, namespace=namespace, env={}) as buf:
+        metrics.track(buf)
+        pairs = [(f"p{i}", rank) for i in range(4) for rank in range(2)]
+        for n, (instance, rank) in enumerate(pairs, start=1):
+            buf.record(instance, rank, 0, [(slot, 10) for slot in range(n)])
+        holders = {cluster.node_for_key(buf.protocol.keys.rank(i, r).stats).port for i, r in pairs}
+        assert len(holders) >= 2  # otherwise this test would not cover more than one node
 
-    text = metrics.render().decode()
-    assert sample(text, "rls_up", namespace=namespace) == 1
-    for n, (instance, rank) in enumerate(pairs, start=1):
-        assert sample(text, "rls_buffered_total", namespace=namespace, instance=instance, rank=str(rank)) == n
-    buf.close()
+        text = metrics.render().decode()
+        assert sample(text, "rls_up", namespace=namespace) == 1
+        for n, (instance, rank) in enumerate(pairs, start=1):
+            assert sample(text, "rls_buffered_total", namespace=namespace, instance=instance, rank=str(rank)) == n

@@ -36,4 +36,5 @@ def test_the_benchmark_starts_the_server_it_is_given() -> None:
     assert parser().parse_args(["--server", "valkey"]).server == VALKEY
     assert parser().parse_args([]).server == "redis-server"
     server = LocalRedis(binary=VALKEY)
+    server.cleanup()  # its temp dir; it was never started
     assert server.binary == server_binary(VALKEY) and Path(server.binary).is_file()
