@@ -1,17 +1,17 @@
 # Two commands matter: `make demo` and `make test`. Both create the environment they need
-# (`make docs` builds the documentation site into site/).
+# (`make docs` builds the documentation site into site/, in an environment of its own).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint typecheck pytest servers bench docs docs-check clean
+.PHONY: demo test lint typecheck pytest servers bench docs docs-check docs-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,paddle,bench,docs]'
+	$(BIN)/python -m pip install -q -e '.[dev,paddle,bench]'
 	touch $(STAMP)
 
 # The tests start their own redis-server, redis-sentinel and cluster processes on free ports
@@ -49,22 +49,53 @@ typecheck: $(STAMP)
 # the topology and fault tests again with Valkey 8.1 as the server every fixture starts.
 VALKEY_AGAIN := tests/test_cluster.py tests/test_sentinel.py tests/test_faults.py
 
-pytest: $(STAMP) servers
+pytest: $(STAMP) servers docs-env
 	$(BIN)/pytest
 	RLS_TEST_SERVER=valkey $(BIN)/pytest -q $(VALKEY_AGAIN)
 
 test: lint typecheck docs-check pytest
 
-# The documentation site (mkdocs.yml, docs/): `make docs` builds it into site/; `make test` builds
-# it with --strict, so a broken link or a missing API reference fails the run.
-docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+# The documentation site (mkdocs.yml, docs/) builds in a small environment of its own: MkDocs,
+# Material, mkdocstrings and the package (docs/hooks.py renders the CLI reference from it),
+# without paddle or the test tools. The diagrams are drawn by mermaid.js, which the pages load
+# from the site itself (no CDN): a pinned npm package, installed into a cache folder and
+# published by docs/hooks.py. jsdom lets tests/test_site.py parse every diagram with it.
+DOCS_VENV ?= .venv-docs
+DOCS_BIN := $(DOCS_VENV)/bin
+DOCS_STAMP := $(DOCS_VENV)/.installed-stamp
+DOCS_NODE ?= .cache/docs-node
+MERMAID_VERSION := 11.17.2
+JSDOM_VERSION := 26.1.0
+NODE_STAMP := $(DOCS_NODE)/.installed-mermaid-$(MERMAID_VERSION)-jsdom-$(JSDOM_VERSION)
+export RLS_DOCS_NODE := $(abspath $(DOCS_NODE))
+export RLS_DOCS_PYTHON := $(abspath $(DOCS_BIN))/python
 
-docs-check: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+$(DOCS_STAMP): pyproject.toml
+	test -x $(DOCS_BIN)/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_BIN)/python -m pip install -q --upgrade pip
+	$(DOCS_BIN)/python -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+$(NODE_STAMP):
+	@command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
+	  else echo "install node and npm: sudo apt-get install nodejs npm" >&2; exit 1; fi; }
+	mkdir -p $(DOCS_NODE)
+	cd $(DOCS_NODE) && npm install --no-audit --no-fund --silent mermaid@$(MERMAID_VERSION) jsdom@$(JSDOM_VERSION)
+	touch $(NODE_STAMP)
+
+docs-env: $(DOCS_STAMP) $(NODE_STAMP)
+
+# `make docs` builds the site into site/; `make test` builds it with --strict, so a broken link,
+# a missing API reference or a missing mermaid.js fails the run.
+docs: docs-env
+	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict --site-dir site
+
+docs-check: docs-env
+	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict --quiet --site-dir site
 
 bench: $(STAMP) servers
 	$(BIN)/python -m redis_layer_signals bench
 
 clean:
-	rm -rf $(VENV) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DOCS_VENV) $(DOCS_NODE) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis

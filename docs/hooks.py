@@ -2,22 +2,34 @@
 
 - the CLI reference page is rendered from the typer application itself (each command's help and
   options), so it cannot drift from ``rls``;
-- the benchmark results the Performance page links to (``benchmarks/results/``) are published
-  beside it, so those links resolve in the site as they do in the repository.
+- the benchmark results the Performance page links to and shows (``benchmarks/results/``) are
+  published beside it, so those links resolve in the site as they do in the repository;
+- mermaid.js, which draws the diagrams, is published from the pinned npm package `make docs`
+  installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads it from a CDN. A
+  build without it fails: the diagrams would be fetched from the network or not drawn.
 """
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import typer
+from mkdocs.exceptions import PluginError
 
 CLI_MARKER = "<!-- rls-cli-reference -->"
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ("benchmarks/results",)
 """Repository folders published as they are, under the same path in the site."""
+MERMAID_JS = "js/mermaid.min.js"
+"""Where the site serves mermaid.js (mkdocs.yml ``extra_javascript``)."""
+
+
+def node_modules() -> Path:
+    """The npm packages `make docs-env` installs (mermaid, and jsdom for the tests)."""
+    return Path(os.environ.get("RLS_DOCS_NODE") or ROOT / ".cache" / "docs-node") / "node_modules"
 
 
 def on_files(files: Any, config: Any) -> Any:
@@ -28,6 +40,10 @@ def on_files(files: Any, config: Any) -> Any:
             if path.is_file():
                 uri = path.relative_to(ROOT).as_posix()
                 files.append(File.generated(config, uri, abs_src_path=str(path), inclusion=InclusionLevel.NOT_IN_NAV))
+    mermaid = node_modules() / "mermaid" / "dist" / "mermaid.min.js"
+    if not mermaid.is_file():
+        raise PluginError(f"{mermaid} is missing: run `make docs-env` (it installs the pinned mermaid npm package)")
+    files.append(File.generated(config, MERMAID_JS, abs_src_path=str(mermaid), inclusion=InclusionLevel.NOT_IN_NAV))
     return files
 
 

@@ -106,13 +106,16 @@ def test_example_runs_on_a_real_server(example: Example, redis_server: RedisServ
     assert done.returncode == 0, f"{example.name}\n{example.code}\n{done.stderr}"
 
 
-def test_readme_is_a_few_screens_with_the_two_quick_start_commands() -> None:
+def test_readme_is_a_few_screens_that_start_with_pip_install_then_the_two_commands_for_a_clone() -> None:
     text = README.read_text()
     assert len(text.encode()) <= README_MAX_BYTES, len(text.encode())
-    quick_start = text.split("## Quick start", 1)[1].split("##", 1)[0]
+    parts = ("pip install redis-layer-signals", "<!-- example: run -->", "## From a clone")
+    order = [text.index(part) for part in parts]
+    assert order == sorted(order), order
+    quick_start = text.split("## From a clone", 1)[1].split("##", 1)[0]
     commands = [line.split("#")[0].strip() for line in quick_start.splitlines() if line.startswith("make ")]
     assert commands == ["make demo", "make test"]
-    for needed in ("Redis 7.0", "Valkey 7.2", "## Guarantees", "```text"):
+    for needed in ("pip install redis-layer-signals", "Redis 7.0", "Valkey 7.2", "## Guarantees", "```mermaid"):
         assert needed in text, needed
 
 
