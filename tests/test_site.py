@@ -1,0 +1,149 @@
+"""The built documentation site is whole: `mkdocs build --strict` passes, every image a page
+shows is in the site, the site serves mermaid.js itself (no CDN), and every Mermaid diagram of
+the README and the pages parses with that very mermaid (in node, tests/mermaid_check.mjs).
+
+The site builds with the docs environment `make docs-env` creates (``RLS_DOCS_PYTHON``, else
+``.venv-docs``, else this interpreter) and the npm packages it installs (``RLS_DOCS_NODE``, else
+``.cache/docs-node``); without them the tests fail, naming `make docs-env`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+CHECKER = ROOT / "tests" / "mermaid_check.mjs"
+MERMAID_FENCE = re.compile(r"^```mermaid\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+PAGES_WITH_DIAGRAMS = ("README.md", "docs/index.md", "docs/concepts.md", "docs/key-layout.md")
+PLOTS = ("benchmarks/results/latency_vs_batch.png", "benchmarks/results/latency_vs_pending.png")
+BUILD_TIMEOUT_S = 240
+
+
+def docs_python() -> str:
+    named = os.environ.get("RLS_DOCS_PYTHON")
+    if named and Path(named).exists():
+        return named
+    venv = ROOT / ".venv-docs" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def node_modules() -> Path:
+    modules = Path(os.environ.get("RLS_DOCS_NODE") or ROOT / ".cache" / "docs-node") / "node_modules"
+    assert (modules / "mermaid").is_dir() and (modules / "jsdom").is_dir(), f"{modules}: run `make docs-env`"
+    return modules
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "RLS_DOCS_NODE": str(node_modules().parent)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [docs_python(), "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+    )
+    assert done.returncode == 0, f"mkdocs build --strict failed (make docs-env?):\n{done.stdout}\n{done.stderr}"
+    return out
+
+
+class _Refs(HTMLParser):
+    """The images and scripts an HTML page loads, and its Mermaid blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: list[str] = []
+        self.scripts: list[str] = []
+        self.diagrams = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if tag == "img" and values.get("src"):
+            self.images.append(values["src"] or "")
+        if tag == "script" and values.get("src"):
+            self.scripts.append(values["src"] or "")
+        if tag == "pre" and "mermaid" in (values.get("class") or "").split():
+            self.diagrams += 1
+
+
+def refs(page: Path) -> _Refs:
+    parser = _Refs()
+    parser.feed(page.read_text())
+    return parser
+
+
+def built_page(site: Path, source: str) -> Path:
+    """The HTML file mkdocs writes for a page of docs/ (use_directory_urls)."""
+    relative = Path(source).relative_to("docs").with_suffix("")
+    return site / "index.html" if relative.name == "index" else site / relative / "index.html"
+
+
+def diagrams(page: Path) -> list[str]:
+    return MERMAID_FENCE.findall(page.read_text())
+
+
+def parse_diagrams(blocks: list[dict[str, str]]) -> list[dict[str, object]]:
+    node = shutil.which("node")
+    assert node is not None, "node is missing: `make docs-env` installs it"
+    done = subprocess.run(
+        [node, str(CHECKER), str(node_modules())], input=json.dumps(blocks), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_every_image_a_page_shows_is_in_the_site(site: Path) -> None:
+    missing, shown = [], set()
+    for page in site.rglob("*.html"):
+        for src in refs(page).images:
+            assert not re.match(r"^[a-z]+://", src), f"{page}: an image from the network: {src}"
+            target = (page.parent / src.split("#")[0]).resolve()
+            shown.add(target)
+            if not target.is_file():
+                missing.append(f"{page.relative_to(site)}: {src}")
+    assert missing == []
+    for plot in PLOTS:
+        assert (site / plot).resolve() in shown, f"no page shows {plot}"
+
+
+def test_the_site_serves_mermaid_itself(site: Path) -> None:
+    assert (site / "js" / "mermaid.min.js").stat().st_size > 1_000_000
+    for page in site.rglob("*.html"):
+        for src in refs(page).scripts:
+            assert not re.match(r"^([a-z]+:)?//", src), f"{page}: a script from the network: {src}"
+    for source in PAGES_WITH_DIAGRAMS[1:]:
+        page = refs(built_page(site, source))
+        assert page.diagrams == len(diagrams(ROOT / source)) >= 1, source
+        assert any(src.endswith("js/mermaid.min.js") for src in page.scripts), source
+
+
+def test_every_mermaid_diagram_parses() -> None:
+    blocks = [
+        {"name": f"{page.relative_to(ROOT)}#{i}", "text": text}
+        for page in PAGES
+        for i, text in enumerate(diagrams(page))
+    ]
+    for source in PAGES_WITH_DIAGRAMS:
+        assert any(b["name"].startswith(f"{source}#") for b in blocks), f"{source} has no diagram"
+    results = parse_diagrams(blocks)
+    assert [r["name"] for r in results] == [b["name"] for b in blocks]
+    assert [r for r in results if not r["ok"]] == []
+    assert {r["type"] for r in results} <= {"sequence", "flowchart-v2"}
+
+
+def test_the_diagram_check_refuses_a_broken_diagram() -> None:
+    results = parse_diagrams([
+        {"name": "arrow without a target", "text": "sequenceDiagram\n    G->>: record\n"},
+        {"name": "unknown type", "text": "sequenceDiagrm\n    G->>B: record\n"},
+    ])
+    assert [r["ok"] for r in results] == [False, False], results
