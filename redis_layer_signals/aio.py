@@ -1,4 +1,4 @@
-"""The asyncio buffer: the same protocol and scripts as :class:`SignalBuffer`, on redis.asyncio."""
+"""The asyncio buffer: the same protocol and scripts as ``SignalBuffer``, on redis.asyncio."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ T = TypeVar("T")
 
 
 class AsyncSignalBuffer(BufferBase):
-    """:class:`SignalBuffer` with coroutine methods; see it for what each call guarantees."""
+    """[`SignalBuffer`][redis_layer_signals.SignalBuffer] with coroutine methods, on ``redis.asyncio``;
+    see it for what each call guarantees."""
 
     @staticmethod
     def make_client(url: str, retry_s: float) -> Any:

@@ -18,19 +18,19 @@ B = TypeVar("B", bound="BufferBase")
 class BufferBase:
     """Resolves the options (arguments, then ``RLS_*`` variables, then defaults) once.
 
-    ``url`` only records where the client points (``from_url`` passes it); a client you bring
-    yourself is used as it is.
+    Build a buffer with ``from_url`` (it makes the client), or on a redis-py client you bring
+    yourself, which is used as it is.
     """
 
     @staticmethod
     def make_client(url: str, retry_s: float) -> Any:
-        """Builds the client for a URL and a retry budget (see :mod:`.connection`)."""
+        """Builds the client for a URL and a retry budget (see ``connection``)."""
         raise NotImplementedError
 
     @staticmethod
     def direct_calls(client: Any) -> Any:
         """The transport that sends packed calls past the client's per-command machinery, or
-        None to use the client's own methods (see :mod:`.wire`)."""
+        None to use the client's own methods (see ``wire``)."""
         return None
 
     def __init__(
@@ -49,6 +49,38 @@ class BufferBase:
         observer: Observer | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        """Build a buffer on ``client``; each option left ``None`` falls back to its ``RLS_*``
+        environment variable, then to its default.
+
+        Args:
+            client: A ``redis.Redis``, ``RedisCluster`` or Sentinel-managed client (for
+                [`AsyncSignalBuffer`][redis_layer_signals.AsyncSignalBuffer], their
+                ``redis.asyncio`` counterparts).
+            url: Where the client points, for logs and ``rls`` only (``from_url`` passes it).
+            namespace: Isolates deployments sharing one Redis: ``[A-Za-z0-9._-]{1,128}``
+                (``RLS_NAMESPACE``, default ``default``).
+            pending_ttl_s: How long an early signal waits for its task, in seconds
+                (``RLS_PENDING_TTL_S``, default 60).
+            task_ttl_s: Lease of a registered task, in seconds (``RLS_TASK_TTL_S``, default 900,
+                FastDeploy's scheduler TTL).
+            max_slots: Engine slots per rank; a slot must be below it (``RLS_MAX_SLOTS``, default 512).
+            retry_s: How long a call resends after a lost reply or a connection error before it
+                raises [`BufferUnavailable`][redis_layer_signals.BufferUnavailable]
+                (``RLS_RETRY_S``, default 3).
+            wait_replicas: Replicas that must confirm each ``record`` and ``register`` (``WAIT``);
+                0 waits for none (``RLS_WAIT_REPLICAS``, default 0).
+            wait_timeout_ms: How long one ``WAIT`` blocks before the call is resent
+                (``RLS_WAIT_TIMEOUT_MS``, default 100).
+            clock: Milliseconds since the epoch, instead of the server's ``TIME`` (tests and
+                simulations).
+            observer: Called with ``(operation, seconds)`` after each successful call, e.g.
+                [`BufferMetrics.observe`][redis_layer_signals.metrics.BufferMetrics.observe].
+            env: The variables to read instead of ``os.environ`` (``{}`` reads none).
+
+        Raises:
+            redis_layer_signals.InvalidConfig: An option out of range, or a variable that does not parse; it names
+                the option and the value.
+        """
         self.config = BufferConfig.resolve(
             env,
             url=url,
@@ -67,6 +99,24 @@ class BufferBase:
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:
-        """Connect by URL (``RLS_REDIS_URL``, default ``memory://``); see :mod:`.connection`."""
+        """Connect by URL and build the buffer; options as for the constructor.
+
+        Args:
+            url: ``memory://[name]`` (embedded fakeredis, the default), ``redis://``,
+                ``rediss://`` (TLS), ``unix://``, ``redis+sentinel://host:port[,host:port]/service``
+                or ``redis+cluster://host:port[,host:port]``; ACL user and password in the URL.
+                ``None`` reads ``RLS_REDIS_URL``.
+            **options: Any keyword option of the constructor: ``namespace``,
+                ``pending_ttl_s``, ``task_ttl_s``, ``max_slots``, ``retry_s``,
+                ``wait_replicas``, ``wait_timeout_ms``, ``clock``, ``observer``, ``env``.
+
+        Raises:
+            redis_layer_signals.InvalidConfig: A bad URL, an unknown option or one out of range.
+
+        Example:
+            ```python
+            buf = SignalBuffer.from_url("redis://10.0.0.5:6379/0", namespace="prod", retry_s=5)
+            ```
+        """
         config, passthrough = BufferConfig.for_url(url, options)
         return cls(cls.make_client(config.url, config.retry_s), **config.options(), **passthrough)

@@ -1,4 +1,4 @@
-"""The synchronous buffer: validation and packing come from :mod:`.protocol`, this module only
+"""The synchronous buffer: validation and packing come from ``protocol``, this module only
 runs the calls on a redis-py client, with bounded retries and reloading of the Functions library."""
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class SignalBuffer(BufferBase):
 
     def _resend(self, operation: str, action: Callable[[], T], started: float, error: BaseException) -> T:
         """The retry loop, entered only after a first attempt failed with ``error``: the common
-        call pays for no :class:`Attempts`. The budget counts from ``started``, the call's start."""
+        call pays for no ``Attempts``. The budget counts from ``started``, the call's start."""
         attempts = Attempts(operation, self.config.retry_s, started)
         while True:
             time.sleep(attempts.next_delay(error))

@@ -10,7 +10,7 @@ Embedding process::
 
 Names follow the Prometheus naming guide: counters end in ``_total``, durations are in seconds
 (``_seconds``), one counter per event with a label for its kind (``rls_dropped_total{reason}``).
-The counter names are derived from the ``stats`` hash fields by :func:`counter_sample`, so a
+The counter names are derived from the ``stats`` hash fields by ``counter_sample``, so a
 counter added to the library's functions (or written by the FastDeploy bridge) is exported without a change
 here.
 """
@@ -82,7 +82,7 @@ def counter_sample(field: str, value: float) -> CounterSample:
 
 
 def rank_counters(raw: dict[Any, Any]) -> dict[str, float]:
-    """One rank's ``stats`` hash as counters. Every field of :data:`~.counters.COUNTERS` is
+    """One rank's ``stats`` hash as counters. Every field of ``counters.COUNTERS`` is
     present (0 until it happens), so every series of the dashboard exists, the fields the
     FastDeploy bridge adds after an outage included."""
     counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
@@ -158,7 +158,8 @@ class BufferMetrics(Exporter):
         self.registry.register(self._counters)
 
     def observe(self, operation: str, seconds: float) -> None:
-        """The ``observer`` hook of :class:`SignalBuffer` and :class:`AsyncSignalBuffer`."""
+        """The ``observer`` hook of [`SignalBuffer`][redis_layer_signals.SignalBuffer] and
+        [`AsyncSignalBuffer`][redis_layer_signals.AsyncSignalBuffer]."""
         self.latency.labels(operation).observe(seconds)
 
     def track(self, buffer: SignalBuffer) -> None:

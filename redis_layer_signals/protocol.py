@@ -1,8 +1,8 @@
 """What each operation sends, shared by the sync and async buffers.
 
-Only the transport differs between :class:`SignalBuffer` and :class:`AsyncSignalBuffer`: both
-validate, build a :class:`Prepared` call here, run it, and hand the reply back to ``parse``,
-which reads it with :mod:`.replies`.
+Only the transport differs between ``SignalBuffer`` and ``AsyncSignalBuffer``: both
+validate, build a ``Prepared`` call here, run it, and hand the reply back to ``parse``,
+which reads it with ``replies``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ _token_bits = _tokens.getrandbits
 
 def new_token() -> str:
     """A fresh idempotency token: 64 random bits as 16 hex digits, one per call (a resend
-    reuses its call's, since it resends the same :class:`ScriptCall`)."""
+    reuses its call's, since it resends the same ``ScriptCall``)."""
     return f"{_token_bits(64):016x}"
 
 
@@ -99,7 +99,7 @@ def _ms(seconds: float) -> str:
 
 def plain_batch(raw: Any, max_slots: int) -> list[tuple[int, int]] | None:
     """``raw`` itself when it is the common batch, a list of ``(slot, tokens)`` tuples of plain
-    ints in range; else None, and :func:`validation.entries` checks it (and names what is wrong).
+    ints in range; else None, and ``validation.entries`` checks it (and names what is wrong).
 
     The full check builds a field name per entry for its error messages; on a 512-entry batch
     that costs more than the round trip. This accepts a subset of what the full check accepts.

@@ -4,7 +4,7 @@ Redis replicates asynchronously: a primary that dies right after answering takes
 writes with it, and a failover promotes a replica that never saw them. With ``wait_replicas``
 set, ``record`` and ``register`` run ``FCALL`` and ``WAIT n timeout`` in one pipeline (WAIT
 only counts the writes of its own connection, so both must share it). Fewer acknowledgements
-than asked raise :class:`NotReplicated`, which the buffer's retry loop treats like a lost
+than asked raise ``NotReplicated``, which the buffer's retry loop treats like a lost
 reply: it resends the same call (the function replays its stored reply, a write that WAIT then
 covers) until the replicas confirm or ``retry_s`` runs out (``BufferUnavailable``).
 
@@ -102,7 +102,7 @@ def _missing_again(operation: str, results: list[Any]) -> None:
 
 
 async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
-    """:func:`run_and_wait` for redis.asyncio (single server or Sentinel)."""
+    """``run_and_wait`` for redis.asyncio (single server or Sentinel)."""
     if _is_cluster(client):  # raised before anything is sent
         raise InvalidConfig("wait_replicas", wanted, "is not supported on an asyncio Redis Cluster client yet")
     results = await _async_pipelined(client, call, wanted, timeout_ms)

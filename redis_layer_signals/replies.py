@@ -1,7 +1,7 @@
 """How what the functions return and store becomes result objects: replies split into their
 parts, batches of LayerSignals built cheaply, register's recovery payload, a slot's pending
 signals and live entries decoded. The layouts are documented in lua/_lib.lua and the
-functions' headers; :mod:`.protocol` builds the calls whose replies are read here.
+functions' headers; ``protocol`` builds the calls whose replies are read here.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ _set_signal_dict: Callable[[Any, dict[str, Any]], None] = (
 
 def _signal(state: dict[str, Any]) -> LayerSignal:
     """A LayerSignal from its fields: ``__dict__`` set directly (a quarter of ``__init__``'s
-    time, which sets each field through ``object.__setattr__``) when :data:`_FAST_SIGNALS`."""
+    time, which sets each field through ``object.__setattr__``) when ``_FAST_SIGNALS``."""
     if not _FAST_SIGNALS:
         return LayerSignal(**state)
     signal: LayerSignal = _new(LayerSignal)
@@ -152,7 +152,7 @@ def split_signals(
 
 
 def record_result(delivered: list[LayerSignal], buffered: list[LayerSignal]) -> RecordResult:
-    """A RecordResult, built like the signals when :data:`_FAST_RESULTS`."""
+    """A RecordResult, built like the signals when ``_FAST_RESULTS``."""
     if not _FAST_RESULTS:
         return RecordResult(delivered, buffered)
     result: RecordResult = _new(RecordResult)
@@ -167,7 +167,7 @@ def register_result(
     repeated: bool,
     replaced: bool,
 ) -> RegisterResult:
-    """A RegisterResult, built like the signals when :data:`_FAST_RESULTS`."""
+    """A RegisterResult, built like the signals when ``_FAST_RESULTS``."""
     if not _FAST_RESULTS:
         return RegisterResult(task, recovered, dropped, repeated=repeated, replaced=replaced)
     result: RegisterResult = _new(RegisterResult)
@@ -177,7 +177,7 @@ def register_result(
 
 
 def finish_result(removed: bool, dropped: int, fenced: bool) -> FinishResult:
-    """A FinishResult, built like the signals when :data:`_FAST_RESULTS`."""
+    """A FinishResult, built like the signals when ``_FAST_RESULTS``."""
     if not _FAST_RESULTS:
         return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
     result: FinishResult = _new(FinishResult)

@@ -2,19 +2,19 @@
 
 The wheel ships ``lua/`` inside the package (``redis_layer_signals/lua``); a source checkout
 keeps it at the top level, which is where an editable install finds it. The library is the
-files of :data:`FILES` joined in order: ``_lib.lua`` opens with the ``#!lua name=rls_v2``
+files of ``FILES`` joined in order: ``_lib.lua`` opens with the ``#!lua name=rls_v2``
 line and defines the shared helpers, each operation file defines its function and registers
 it as ``rls_v2_<operation>``.
 
-The version in the names (:data:`LIBRARY_NAME`) changes whenever a release changes what a
+The version in the names (``LIBRARY_NAME``) changes whenever a release changes what a
 function does, so two client releases never replace each other's functions on a shared server,
 each calling its own library. Both read and write the same keys: a release that changes the
-key layout must also put a layout version in the key names (:mod:`.keys`), which this first
+key layout must also put a layout version in the key names (``keys``), which this first
 released layout does not need.
 
 A server without the library (a restart without persistence, a new Cluster node, a replica
 promoted before it got it, ``FUNCTION FLUSH``) answers an FCALL with "Function not found";
-the buffers then load it (:func:`load_library`, on every primary of a Cluster) and resend the
+the buffers then load it (``load_library``, on every primary of a Cluster) and resend the
 call with the same idempotency token.
 """
 
@@ -83,5 +83,5 @@ def load_library(client: Any) -> None:
 
 
 async def async_load_library(client: Any) -> None:
-    """:func:`load_library` for redis.asyncio clients."""
+    """``load_library`` for redis.asyncio clients."""
     await client.function_load(library().code, replace=True)

@@ -21,7 +21,7 @@ server closed while it sat idle (its ``timeout`` setting, a restart) fails its n
 on a fresh connection after its first backoff (10 ms). A poll per call would cost a syscall on
 every call to save that once per idle timeout.
 
-``redis.asyncio`` clients get the same treatment (:class:`AsyncDirectCalls`): there a task
+``redis.asyncio`` clients get the same treatment (``AsyncDirectCalls``): there a task
 cancelled between sending and reading leaves its reply on the socket, so cancellation, too,
 closes the connection rather than keeping it.
 """
@@ -72,7 +72,7 @@ def supports(client: Any) -> bool:
 
 
 def supports_async(client: Any) -> bool:
-    """:func:`supports` for ``redis.asyncio`` clients (fakeredis and Cluster are other types)."""
+    """``supports`` for ``redis.asyncio`` clients (fakeredis and Cluster are other types)."""
     if type(client) is not redis.asyncio.Redis:
         return False
     return _plain_pool(client.connection_pool, client.single_connection_client)
@@ -174,7 +174,7 @@ class DirectCalls(_KeptConnections):
 
 
 class AsyncDirectCalls(_KeptConnections):
-    """:class:`DirectCalls` on a ``redis.asyncio`` client's pool.
+    """``DirectCalls`` on a ``redis.asyncio`` client's pool.
 
     A task takes a connection off the idle list before its first ``await`` and puts it back
     only after reading the whole reply, so concurrent tasks never share one; a task that finds

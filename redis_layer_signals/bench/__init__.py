@@ -1,7 +1,7 @@
 """Benchmarks of the buffer against its baselines, on one Redis server, in one run.
 
-Importable without matplotlib (the plot is optional). Entry points: :func:`runner.run` returns
-the results as a dict; :func:`runner.main` is the command line (``benchmarks/run.py``,
+Importable without matplotlib (the plot is optional). Entry points: ``runner.run`` returns
+the results as a dict; ``runner.main`` is the command line (``benchmarks/run.py``,
 ``rls bench``).
 """
 

@@ -1,12 +1,12 @@
 """What the buffer is measured against.
 
-(a) :class:`LocalDictBuffer`: FastDeploy's own fix, a process-local dict behind a lock: the cost
-    of buffering when nothing is shared. (b) :class:`NaiveRedisBuffer`: the obvious redis-py
-    version without Lua, optimistic WATCH/MULTI/EXEC retried on conflict. (c) :class:`Floor`:
+(a) ``LocalDictBuffer``: FastDeploy's own fix, a process-local dict behind a lock: the cost
+    of buffering when nothing is shared. (b) ``NaiveRedisBuffer``: the obvious redis-py
+    version without Lua, optimistic WATCH/MULTI/EXEC retried on conflict. (c) ``Floor``:
     EVALSHA of a script that only returns, one key, the entries as ARGV (two integers each): the
-    least any Redis design must send. (d) ``redis-benchmark`` lives in :mod:`.external`.
-(c') :class:`FloorDirect`: the same call sent the way the sync buffer sends its own scripts
-    (:mod:`..wire`), a reference for what our Lua costs once redis-py's per-command path is gone.
+    least any Redis design must send. (d) ``redis-benchmark`` lives in ``external``.
+(c') ``FloorDirect``: the same call sent the way the sync buffer sends its own scripts
+    (``.wire``), a reference for what our Lua costs once redis-py's per-command path is gone.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Floor:
 
 
 class FloorDirect(Floor):
-    """:class:`Floor` sent as the sync buffer sends its scripts: a hiredis-packed EVALSHA on a
+    """``Floor`` sent as the sync buffer sends its scripts: a hiredis-packed EVALSHA on a
     kept pool connection. The floor of the issue goes through redis-py's ``execute_command``,
     which ours now skips; this one skips it too, so ours/floor_direct is what our scripts cost."""
 
@@ -177,7 +177,7 @@ class FloorDirect(Floor):
 
 
 class AsyncFloor:
-    """:class:`Floor` on redis.asyncio; ``await AsyncFloor.create(client, key)``."""
+    """``Floor`` on redis.asyncio; ``await AsyncFloor.create(client, key)``."""
 
     def __init__(self, client: Any, key: str, sha: str) -> None:
         self.client = client

@@ -3,7 +3,7 @@
 Each worker process opens its own client, waits at a barrier, then calls ``record`` for layer
 0 with the same batch of slots (the odd ones with live tasks, set up before the start) until
 its time is up: the early layer-0 signal FastDeploy buffers, newest wins, so the buffer keeps
-one signal per slot (what a slot holding many layers costs is in :mod:`.scaling`). Ours is
+one signal per slot (what a slot holding many layers costs is in ``scaling``). Ours is
 one atomic script per call; the naive version retries its WATCH transaction on every
 conflict; the floor sends the same entries to a script that does nothing, through redis-py
 (``floor``) or packed on a kept connection as the buffer sends its own (``floor_direct``).
@@ -136,7 +136,7 @@ def contend(kind: str, url: str, processes: int, batch: int, duration_s: float) 
 def contend_interleaved(
     kinds: tuple[str, ...], url: str, processes: int, batch: int, duration_s: float, rounds: int
 ) -> list[dict[str, Any]]:
-    """:func:`contend` for each kind in turn, ``rounds`` times, ``duration_s / rounds`` each,
+    """``contend`` for each kind in turn, ``rounds`` times, ``duration_s / rounds`` each,
     summed per kind: a neighbour's load during one run then weighs on every kind alike."""
     totals: dict[str, dict[str, Any]] = {}
     for _ in range(rounds):

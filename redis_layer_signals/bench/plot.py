@@ -53,7 +53,7 @@ def _legend(figure: Any, axes: Any, *, styles: bool) -> None:
             Line2D([], [], color="#888888", linestyle="-", label="solid line: p50 (median)"),
             Line2D([], [], color="#888888", linestyle=":", label="dotted line: p99"),
         ]
-    figure.legend(handles=handles, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    figure.legend(handles=handles, loc="lower center", ncol=2, fontsize=8.5, frameon=False)
 
 
 def latency_vs_batch(result: dict[str, Any], path: Path) -> Path:
@@ -62,7 +62,7 @@ def latency_vs_batch(result: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     cases = [case for case in result["latency"] if case["mode"] == "sync" and case["op"] == "record"]
     paths = sorted({case["path"] for case in cases})
-    figure, axes = plt.subplots(1, len(paths), figsize=(5.5 * len(paths), 5.6), squeeze=False, sharey=True)
+    figure, axes = plt.subplots(1, len(paths), figsize=(4 * len(paths), 5.4), squeeze=False, sharey=True)
     for axis, record_path in zip(axes[0], paths, strict=True):
         for impl, label, color in IMPLS:
             points = sorted(
@@ -78,11 +78,11 @@ def latency_vs_batch(result: dict[str, Any], path: Path) -> Path:
         axis.set_xticks(sizes, [str(size) for size in sizes])
         axis.minorticks_off()
         _plain_log_axis(axis)
-        axis.set_xlabel("entries (signals) per record call")
-        axis.set_title(f"record, {record_path}: {_path_meaning(record_path)}", fontsize=10)
+        axis.set_xlabel("signals per record call")
+        axis.set_title(f"record, {record_path}\n({_path_meaning(record_path)})", fontsize=10)
     axes[0][0].set_ylabel("latency per call, µs (log scale)")
     _legend(figure, axes[0], styles=True)
-    figure.suptitle(_machine(result), fontsize=9)
+    figure.suptitle(_machine(result), fontsize=8)
     figure.tight_layout(rect=(0, 0.2, 1, 1))
     return _save(plt, figure, path)
 
@@ -98,7 +98,7 @@ def latency_vs_pending(result: dict[str, Any], path: Path) -> Path:
         for size in sorted({case["size"] for case in layered})
     ]
     panels.append(("register of one task", registers))
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 5.0), squeeze=False)
+    figure, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 4.8), squeeze=False)
     for axis, (title, cases) in zip(axes[0], panels, strict=True):
         ticks = sorted({int(c["path"]) for c in cases})
         for impl, label, color in IMPLS:
@@ -112,8 +112,8 @@ def latency_vs_pending(result: dict[str, Any], path: Path) -> Path:
         axis.set_title(title, fontsize=10)
     axes[0][0].set_ylabel("p50 latency per call, µs (log scale)")
     _legend(figure, axes[0], styles=False)
-    figure.suptitle(f"Cost against what a slot already holds. {_machine(result)}", fontsize=9)
-    figure.tight_layout(rect=(0, 0.16, 1, 1))
+    figure.suptitle(_machine(result), fontsize=8)
+    figure.tight_layout(rect=(0, 0.2, 1, 1))
     return _save(plt, figure, path)
 
 
@@ -124,8 +124,8 @@ def _path_meaning(record_path: str) -> str:
 def _machine(result: dict[str, Any]) -> str:
     machine = result["machine"]
     return (
-        f"Run of {result.get('started_at', '?')}: {machine['cpu_model']}, {machine['cpu_count']} cores, "
-        f"Redis {machine['redis_version']}, Python {machine['python']}, redis-py {machine.get('redis_py', '?')}"
+        f"Run of {result.get('started_at', '?')}\n{machine['cpu_model']}, {machine['cpu_count']} cores, "
+        f"Redis {machine['redis_version']}, Python {machine['python']}"
     )
 
 

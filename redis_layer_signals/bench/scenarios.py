@@ -1,7 +1,7 @@
 """Single-client latency cases: the same step on the buffer and on each baseline, interleaved.
 
 Every case runs on fresh keys (its own namespace or prefix) so no case sees another's data,
-and the implementations take turns call by call (:func:`.timing.measure_interleaved`), so the
+and the implementations take turns call by call (``timing.measure_interleaved``), so the
 ratios hold on a noisy machine. ``record`` is timed on two paths: ``buffered`` (no task yet:
 the early signal is stored; the same layer again on each call, so the buffer holds one signal
 per slot as FastDeploy's fix does) and ``delivered`` (the slots' tasks are live). ``register``

@@ -70,7 +70,7 @@ def measure_interleaved(
 async def measure_interleaved_async(
     calls: Mapping[str, Callable[[int], Any]], iterations: int, warmup: int, signals_per_call: int
 ) -> dict[str, Summary]:
-    """:func:`measure_interleaved` for coroutine functions."""
+    """``measure_interleaved`` for coroutine functions."""
     names = list(calls)
     for i in range(warmup):
         for name in names:

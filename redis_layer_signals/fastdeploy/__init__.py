@@ -1,7 +1,7 @@
 """FastDeploy integration: decode ``kv_signal_data`` and serve ``CacheMessagerV1``'s hook points.
 
 ``decode_kv_signal`` and ``Layer0Bridge`` need numpy only; paddle is imported lazily, by the
-scripted GPU of the reference messager (:mod:`.reference`, :mod:`.scripted`), never here.
+scripted GPU of the reference messager (``reference``, ``scripted``), never here.
 """
 
 from .bridge import Batch, Layer0Bridge

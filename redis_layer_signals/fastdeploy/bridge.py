@@ -3,18 +3,18 @@
 ``CacheMessagerV1`` queues a batch ``[(engine_idx, prefilled_token_num), ...]`` for its
 layer-wise sender whenever a layer-0 signal arrives. A layer-0 signal that arrives before its
 cache task used to be lost; FastDeploy's fix keeps it in a dict of its process.
-:class:`Layer0Bridge` records it in the buffer instead, and the task's registration pops it
+``Layer0Bridge`` records it in the buffer instead, and the task's registration pops it
 back, atomically, so each layer-0 batch reaches the sender exactly once whichever side came
 first, even when the signal consumer and the task adder run in different processes or hosts.
 
 Three promises to FastDeploy's loops:
 
 - **The hooks never raise.** An error is logged (once per episode, with its cause), counted in
-  :meth:`Layer0Bridge.health`, and the loop goes on.
+  ``Layer0Bridge.health``, and the loop goes on.
 - **Never less available than FastDeploy's own fix.** When Redis cannot be reached within the
-  buffer's ``retry_s``, the bridge serves its process from :class:`~.local.LocalState` with the
+  buffer's ``retry_s``, the bridge serves its process from ``local.LocalState`` with the
   semantics of that fix, and a background thread writes what it decided back to Redis once
-  Redis answers (:mod:`.journal`), so other processes, ``rls inspect`` and the counters are
+  Redis answers (``journal``), so other processes, ``rls inspect`` and the counters are
   right again, and nothing handled locally is handed out a second time.
 - **Order per slot.** The bridge puts batches on the sender's queue itself, under a lock of its
   own that is never held across a Redis round trip: a batch a registration recovers is queued
@@ -71,7 +71,10 @@ class QueueLike(Protocol):
 
 
 class Layer0Bridge:
-    """Routes ``CacheMessagerV1``'s layer-0 signals and cache tasks through a :class:`SignalBuffer`.
+    """Routes ``CacheMessagerV1``'s layer-0 signals and cache tasks through a buffer.
+
+    ``buffer`` is a [`SignalBuffer`][redis_layer_signals.SignalBuffer] (sync: the hooks run on
+    FastDeploy's threads).
 
     ``rank`` is the messager's ``rank_id`` (``rank + local_data_parallel_id * nranks``), the
     same number FastDeploy reads signals with. ``ready`` is the sender's queue
@@ -80,7 +83,7 @@ class Layer0Bridge:
     of its instance and rank, as in FastDeploy, where one process runs the signal consumer,
     the task adder and the sender: the bridge then queues a signal only for a task this process
     registered, as FastDeploy's sender requires. Pass False to the bridges of a deployment whose
-    adder runs in another process (see :func:`.reference.run_adder_process`). Every method is
+    adder runs in another process (see ``reference.run_adder_process``). Every method is
     safe to call from any thread, and none raises.
     """
 
@@ -136,7 +139,7 @@ class Layer0Bridge:
     def on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None = None) -> Batch:
         """In ``consume_signals``, outside FastDeploy's lock: record a layer-0 message.
 
-        Takes the raw ``kv_signal_data`` tensor or an already decoded :class:`KvSignal`. Queues
+        Takes the raw ``kv_signal_data`` tensor or an already decoded ``KvSignal``. Queues
         the entries whose task is live and returns them (already queued: for logs); the others
         wait for their task. Empty reads and later layers return ``[]`` and touch nothing.
 
@@ -320,7 +323,7 @@ class Layer0Bridge:
     # -- mapping ---------------------------------------------------------------------------
 
     def cache_task(self, cache_info: Mapping[str, Any]) -> CacheTask:
-        """Map FastDeploy's merged ``cache_info`` dict to a :class:`CacheTask` (no I/O)."""
+        """Map FastDeploy's merged ``cache_info`` dict to a ``CacheTask`` (no I/O)."""
         if not isinstance(cache_info, Mapping):
             raise InvalidTask("cache_info", type(cache_info).__name__, "must be a mapping")
         meta: dict[str, str] = {}

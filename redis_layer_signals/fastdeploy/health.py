@@ -1,6 +1,6 @@
 """How a bridge is doing: whether it serves from Redis or locally, and what that cost.
 
-:class:`BridgeHealth` is a snapshot (``Layer0Bridge.health()``); :class:`BridgeMetrics` exports
+``BridgeHealth`` is a snapshot (``Layer0Bridge.health()``); ``BridgeMetrics`` exports
 the snapshots of the bridges it tracks to Prometheus, labelled by namespace, instance and rank,
 from the process that runs them (the ``rls metrics`` exporter reads Redis, which cannot say
 that Redis is unreachable)::

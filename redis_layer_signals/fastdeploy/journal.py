@@ -6,7 +6,7 @@ have been had it answered all along: the same tasks live, the same early signals
 the counters advanced by the same decisions (a signal delivered locally is counted delivered by
 the replayed ``record``, one recovered locally is counted recovered by the replayed
 ``register``, and so on). Nothing a replay returns is handed out again when this process
-registers its own tasks: it already handed those out. See :mod:`.bridge`.
+registers its own tasks: it already handed those out. See ``bridge``.
 """
 
 from __future__ import annotations

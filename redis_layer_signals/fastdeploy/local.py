@@ -2,14 +2,14 @@
 
 FastDeploy's fix keeps, per slot, the task that holds it and the newest early layer-0 signal,
 pops the signal when the task registers (dropping it when its tokens exceed
-``need_prefill_tokens``) and forgets it when the task finishes. :class:`LocalState` keeps the
+``need_prefill_tokens``) and forgets it when the task finishes. ``LocalState`` keeps the
 same two maps for the slots of one (instance, rank) in this process, for two reasons:
 
 - while Redis answers, it is the process's own view of where a signal may go (FastDeploy's
   sender only knows the tasks its process registered), and a copy of the early signals this
   process buffered in Redis, in case Redis loses them (a restart without persistence);
 - while Redis does not answer, it *is* the buffer: the bridge serves FastDeploy from it with
-  the semantics of FastDeploy's fix, and counts here what it decided (:attr:`counts`), until
+  the semantics of FastDeploy's fix, and counts here what it decided (``counts``), until
   the decisions are written back to Redis.
 
 No I/O and no locking: the bridge calls it under its own lock.
@@ -57,13 +57,13 @@ class LocalState:
     early: dict[int, EarlySignal] = field(default_factory=dict)
     counting: bool = False
     """True while Redis is unreachable: only then are decisions made here counted in
-    :attr:`counts` (otherwise Redis counts them)."""
+    ``counts`` (otherwise Redis counts them)."""
     counts: Counter[str] = field(default_factory=Counter)
     """Fates decided here of signals Redis never saw (``recorded``, ``delivered``, ``buffered``,
     ``recovered``, ``dropped_<reason>``, ``superseded``, ``finish_dropped``), and
     ``shared_taken``: signals Redis still holds as pending that this process handed out or
     dropped. Every signal recorded here ends in exactly one of these, or is still in
-    :attr:`early`; the bridge clears them once Redis has replayed the same decisions."""
+    ``early``; the bridge clears them once Redis has replayed the same decisions."""
 
     def keep_early(self, slot: int, signal: EarlySignal, counted: bool) -> None:
         """Keep ``signal`` as the slot's early signal, newest wins. ``counted``: it was decided
@@ -78,7 +78,7 @@ class LocalState:
 
     def register(self, task: CacheTask, now_ms: int) -> tuple[EarlySignal | None, DropReason | None]:
         """Make ``task`` the slot's holder (overwriting, as FastDeploy does) and pop its early
-        signal: returns the signal and, when it must not be sent, why (see :func:`verdict`).
+        signal: returns the signal and, when it must not be sent, why (see ``verdict``).
         The same request registered again keeps what was queued for it."""
         holder = self.tasks.get(task.slot)
         if holder is None or holder.task.request_id != task.request_id:
@@ -93,7 +93,7 @@ class LocalState:
     def finish(self, slot: int, request_id: str) -> tuple[bool, int, bool]:
         """Release the slot if ``request_id`` holds it and drop its early signal; fenced (nothing
         changes) when another request holds it. Returns (removed, dropped, fenced), like
-        :class:`~redis_layer_signals.models.FinishResult`."""
+        ``redis_layer_signals.models.FinishResult``."""
         holder = self.tasks.get(slot)
         if holder is not None and holder.task.request_id != request_id:
             return False, 0, True

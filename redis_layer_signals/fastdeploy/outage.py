@@ -1,10 +1,10 @@
 """A Redis outage in the middle of the reference pipeline, and the checks that nothing was lost.
 
-:func:`run_outage` starts its own ``redis-server`` (AOF, ``appendfsync always``), drives the
-mixed workload of :mod:`.workload` through the reference messager, SIGKILLs the server once the
+``run_outage`` starts its own ``redis-server`` (AOF, ``appendfsync always``), drives the
+mixed workload of ``workload`` through the reference messager, SIGKILLs the server once the
 run is under way, keeps it down for ``down_s`` while GPU signals, cache infos and finishes keep
 arriving (the driver paces itself so the outage spans that time), then restarts it ``empty``
-(a node with a fresh disk), from its ``aof``, or ``never``. :meth:`OutageReport.problems` says
+(a node with a fresh disk), from its ``aof``, or ``never``. ``OutageReport.problems`` says
 what went wrong: a request that did not finish, a block written twice, early or never, a
 missing "task added" acknowledgement, a thread that stopped serving, or a signal the counters
 do not account for exactly once.

@@ -1,4 +1,4 @@
-"""A reference cache messager: ``CacheMessagerV1``'s three prefill threads around :class:`Layer0Bridge`.
+"""A reference cache messager: ``CacheMessagerV1``'s three prefill threads around ``Layer0Bridge``.
 
 It follows the structure of FastDeploy's fixed class (release/2.6 with PR 7872) at the three
 places the bridge replaces its pending dict, with the bridge calls where the integration guide
@@ -15,8 +15,8 @@ puts them, all outside ``engine_cache_task_thread_lock``:
   the GPU's progress allows and, after a request's last chunk, finishes it through the bridge
   before reporting it and deleting it under the lock.
 
-When the adder runs in another process (:func:`run_adder_process`), the sender reads a task it
-does not know from the buffer. :class:`UnbufferedBridge` is the behaviour before the fix.
+When the adder runs in another process (``run_adder_process``), the sender reads a task it
+does not know from the buffer. ``UnbufferedBridge`` is the behaviour before the fix.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ POLL_S = 0.005
 ADDER_IDLE_EXIT_S = 120.0
 """A separate adder process exits after this long without a message (its parent is gone)."""
 STOP = "stop"
-"""Sentinel that ends :func:`run_adder_process`."""
+"""Sentinel that ends ``run_adder_process``."""
 
 __all__ = ["STOP", "CacheTaskAdder", "Progress", "QueueLike", "ReferenceMessager", "UnbufferedBridge"]
 
@@ -153,7 +153,7 @@ class CacheTaskAdder:
 class ReferenceMessager:
     """The prefill side of a cache messager: consumer, adder (optional) and sender threads.
 
-    Feed it ``signals`` (paddle tensors from :class:`ScriptedGpu`) and ``cache_infos`` (halves);
+    Feed it ``signals`` (paddle tensors from ``ScriptedGpu``) and ``cache_infos`` (halves);
     read ``transport.writes``, ``finished`` and ``acks``. The sender's queue is the bridge's
     ``ready``. Pass ``with_adder=False`` when the adder runs in another process: the sender
     then reads the tasks it does not know from the buffer.
@@ -236,8 +236,8 @@ class ReferenceMessager:
 
     @staticmethod
     def _take(inbox: QueueLike, handle: Callable[[Any], object]) -> None:
-        """Handle the next item, if one comes within :data:`POLL_S`; a ``queue.Queue``'s item is
-        then marked done, which :meth:`wait_drained` counts."""
+        """Handle the next item, if one comes within ``POLL_S``; a ``queue.Queue``'s item is
+        then marked done, which ``wait_drained`` counts."""
         try:
             item = inbox.get(timeout=POLL_S)
         except queue.Empty:
@@ -350,7 +350,7 @@ def run_adder_process(
 ) -> None:
     """The cache-task adder on its own, for a ``multiprocessing`` child sharing only Redis.
 
-    Reads ``cache_info`` halves from ``inbox`` until :data:`STOP`, lets the bridge put
+    Reads ``cache_info`` halves from ``inbox`` until ``STOP``, lets the bridge put
     recovered batches on ``ready`` and, when given, acknowledges each task on ``acks``.
     """
     with SignalBuffer.from_url(url, namespace=namespace, retry_s=retry_s) as buffer:

@@ -58,7 +58,7 @@ class PrefillRequest:
     @property
     def dest_block_ids(self) -> list[int]:
         """Blocks the decode node allocated, all but its cached prefix: source id plus
-        :data:`DEST_BLOCK_BASE`, so a write's pairs can be checked."""
+        ``DEST_BLOCK_BASE``, so a write's pairs can be checked."""
         return [DEST_BLOCK_BASE + block for block in self.src_block_ids[self.decode_cached_blocks :]]
 
     def prefill_half(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Decoding FastDeploy's ``kv_signal_data`` buffer into a :class:`KvSignal`.
+"""Decoding FastDeploy's ``kv_signal_data`` buffer into a ``KvSignal``.
 
 The GPU side reports, once per layer per forward step, which engine slots have that layer
 written and up to how many tokens. FastDeploy reads that message into an ``int32`` tensor of
@@ -44,10 +44,13 @@ class KvSignal:
 
 
 def decode_kv_signal(kv_signal_data: Any, only_layer: int | None = None) -> KvSignal | None:
-    """Turn a ``kv_signal_data`` tensor or array into a :class:`KvSignal`; None if it is empty.
+    """Turn a ``kv_signal_data`` tensor or array into a ``KvSignal``; None if it is empty.
+
+    Returns a [`KvSignal`][redis_layer_signals.fastdeploy.KvSignal], or None when
+    ``tasks_count`` is -1 (no message).
 
     ``prefilled_tokens`` is ``chunk_token_offset + current_seq_len``, summed in 64 bits so it
-    cannot wrap. Anything malformed raises :class:`InvalidSignal` naming the field. With
+    cannot wrap. Anything malformed raises ``InvalidSignal`` naming the field. With
     ``only_layer``, a message of another layer is None once its header is checked: a caller
     that wants one layer of the ~61 the engine reports skips decoding the rest's entries.
     """
@@ -80,7 +83,7 @@ def decode_kv_signal(kv_signal_data: Any, only_layer: int | None = None) -> KvSi
 
 
 def encode_kv_signal(layer: int, entries: Sequence[tuple[int, int, int]]) -> np.ndarray[Any, np.dtype[np.int32]]:
-    """The inverse of :func:`decode_kv_signal`: a ``kv_signal_data`` array for ``layer`` with
+    """The inverse of ``decode_kv_signal``: a ``kv_signal_data`` array for ``layer`` with
     ``(engine_idx, chunk_token_offset, current_seq_len)`` entries, the unused tail left at -1,
     as the engine's signal op fills it. For stand-ins and tests; nothing is checked."""
     values = np.full(KV_SIGNAL_LENGTH, NO_SIGNAL, dtype=np.int32)

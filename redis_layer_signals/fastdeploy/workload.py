@@ -3,7 +3,7 @@
 Many chunked requests share forward steps, as under continuous batching; each request's task
 reaches the messager in one of three orders: ``early`` (some chunks run, and are read, before
 the task is sent), ``late`` (the task is registered before any chunk runs) or ``racy`` (the
-task and the chunks go out without waiting for each other). :func:`run` drives it and returns
+task and the chunks go out without waiting for each other). ``run`` drives it and returns
 what happened, so a caller can check that nothing was lost or sent twice.
 """
 
@@ -187,11 +187,11 @@ def run(
     on_step: Callable[[int, ReferenceMessager], None] | None = None,
     before_end: Callable[[ReferenceMessager], None] | None = None,
 ) -> Outcome:
-    """Drive the workload through a :class:`ReferenceMessager` and collect the outcome.
+    """Drive the workload through a ``ReferenceMessager`` and collect the outcome.
 
     With ``adder_process`` the cache-task adder runs in a spawned process that shares only
     Redis (so ``url`` must be a real server) and the ready queue with this one. ``on_step``
-    sees the driver's progress (see :func:`drive`); ``before_end`` runs once every request
+    sees the driver's progress (see ``drive``); ``before_end`` runs once every request
     finished, before the closing probe request and the counters are read.
     """
     started = time.perf_counter()

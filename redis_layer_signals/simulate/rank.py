@@ -73,7 +73,7 @@ class RankContext:
 
 
 def cache_task(message: Message) -> CacheTask:
-    """The task a ``task`` message (:meth:`RankContext.task_message`) carries."""
+    """The task a ``task`` message (``RankContext.task_message``) carries."""
     return CacheTask(
         instance=str(message["instance"]),
         rank=int(message["rank"]),
