@@ -24,6 +24,9 @@ from .errors import InvalidConfig
 
 @dataclass(frozen=True)
 class BufferConfig:
+    """A buffer's resolved options (``buffer.config``), checked when built: the fields are the
+    constructor's options of the same names, with their defaults."""
+
     namespace: str = DEFAULT_NAMESPACE
     url: str = DEFAULT_URL
     pending_ttl_s: float = DEFAULT_PENDING_TTL_S

@@ -147,3 +147,34 @@ def test_the_diagram_check_refuses_a_broken_diagram() -> None:
         {"name": "unknown type", "text": "sequenceDiagrm\n    G->>B: record\n"},
     ])
     assert [r["ok"] for r in results] == [False, False], results
+
+
+SPHINX_ROLE = re.compile(r":(class|func|meth|data|mod|attr|exc|obj):`")
+API_PAGE = "docs/reference/api.md"
+INTERNALS = ("make_client", "direct_calls", "BufferBase.protocol", "_InvalidValue", "LocalState", "Prepared")
+
+
+def test_no_docstring_uses_a_sphinx_role() -> None:
+    """mkdocstrings renders Markdown: a Sphinx role would show as raw text on the API page."""
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "redis_layer_signals").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if SPHINX_ROLE.search(line)
+    ]
+    assert found == []
+
+
+def test_the_api_reference_shows_the_constructors_and_hides_internals(site: Path) -> None:
+    html = built_page(site, API_PAGE).read_text()
+    for buffer in ("SignalBuffer", "AsyncSignalBuffer"):
+        start = html.index(f'id="redis_layer_signals.{buffer}"')
+        constructor = html[start : html.index(f'id="redis_layer_signals.{buffer}.from_url"')]
+        for option in ("namespace", "pending_ttl_s", "task_ttl_s", "max_slots", "retry_s", "wait_replicas"):
+            assert f"<code>{option}</code>" in constructor, (buffer, option)
+        from_url = html[html.index(f'id="redis_layer_signals.{buffer}.from_url"') :]
+        assert "redis+cluster://" in from_url[:20_000] and "RLS_REDIS_URL" in from_url[:20_000], buffer
+    assert not SPHINX_ROLE.search(html)
+    assert 'href="#redis_layer_signals.SignalBuffer"' in html  # cross-references are links
+    for internal in INTERNALS:
+        assert f'id="redis_layer_signals.{internal}' not in html and f"{internal}(" not in html, internal
