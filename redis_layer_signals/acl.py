@@ -42,6 +42,7 @@ CLIENT_COMMANDS = (
     "scan",
     "time",
     "ping",
+    "info",  # INFO memory: the maxmemory-policy where CONFIG GET is not granted (see eviction.py)
     "wait",  # only with wait_replicas
 )
 """Commands the buffers send themselves. redis-py also sends ``CLIENT SETINFO`` on connect
