@@ -18,6 +18,8 @@ from redis_layer_signals import (
     CacheTask,
     EvictingServer,
     InvalidConfig,
+    InvalidSignal,
+    InvalidTask,
     ServerOutOfMemory,
     SignalBuffer,
     SignalBufferError,
@@ -293,3 +295,30 @@ def test_memory_full_async_raises_the_typed_error(full_server: RedisServer) -> N
     finally:
         client.close()
 
+
+# -- max_layers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["fake", "real"])
+def test_stray_layers_are_refused_and_write_nothing(where: str, redis_server: RedisServer) -> None:
+    url = redis_server.url if where == "real" else f"memory://{uuid.uuid4().hex}"
+    with SignalBuffer.from_url(url, namespace=namespace(), env={"RLS_MAX_LAYERS": "64"}) as buffer:
+        assert buffer.config.max_layers == 64
+        assert buffer.record("p0", 0, 63, [(1, 10)]).buffered
+        before = our_keys(buffer.client)
+        for layer in (64, 3061, 2**40):
+            with pytest.raises(InvalidSignal, match="max_layers=64") as refused:
+                buffer.record("p0", 0, layer, [(1, 10)])
+            assert refused.value.field == "layer" and refused.value.value == layer
+        with pytest.raises(InvalidTask, match="max_layers=64") as refused_task:
+            buffer.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=10, num_layers=65))
+        assert refused_task.value.field == "num_layers"
+        assert our_keys(buffer.client) == before
+        assert buffer.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=10, num_layers=64)).recovered
+
+
+def test_max_layers_default_and_validation() -> None:
+    assert SignalBuffer.from_url("memory://", env={}).config.max_layers == 1024
+    for bad in (0, -1, "many"):
+        with pytest.raises(InvalidConfig, match="max_layers"):
+            SignalBuffer.from_url("memory://", env={}, max_layers=bad)
