@@ -150,3 +150,30 @@ def judge(policies: Mapping[str, str], mode: str) -> None:
             server,
             policy,
         )
+
+
+def _figures(info: Any) -> tuple[str, float | None]:
+    """(policy, evicted keys) from one server's ``INFO memory stats``."""
+    policy = policy_of_info(info) or UNKNOWN
+    evicted = info.get("evicted_keys") if isinstance(info, Mapping) else None
+    return policy, None if evicted is None else float(evicted)
+
+
+def server_figures(client: Any) -> dict[str, tuple[str, float | None]]:
+    """Each server's policy and ``evicted_keys`` (every primary of a Cluster), from one
+    ``INFO memory stats`` per server: what the exporter reports as evidence of eviction.
+    Servers that refuse INFO are left out."""
+    if is_fake(client):
+        return {"memory": (SAFE_POLICY, 0.0)}
+    targets: list[tuple[str, dict[str, Any]]]
+    if is_cluster(client):
+        targets = [(node.name, {"target_nodes": node}) for node in client.get_primaries()]
+    else:
+        targets = [(label(client), {})]
+    figures = {}
+    for server, target in targets:
+        try:
+            figures[server] = _figures(client.info("memory", "stats", **target))
+        except ResponseError:
+            continue
+    return figures

@@ -322,3 +322,68 @@ def test_max_layers_default_and_validation() -> None:
     for bad in (0, -1, "many"):
         with pytest.raises(InvalidConfig, match="max_layers"):
             SignalBuffer.from_url("memory://", env={}, max_layers=bad)
+
+
+# -- evidence of loss ------------------------------------------------------------------------
+
+
+def test_eviction_is_evidenced_by_the_exporter(binary: str) -> None:
+    """volatile-lru (several managed services' default) evicts our keys, which all carry a
+    TTL, but not the counters: only their mismatch, and the server's evicted_keys, show it."""
+    from redis_layer_signals.metrics import BufferMetrics
+    from tests.test_metrics import sample
+
+    server = RedisServer(["--maxmemory-policy", "volatile-lru", "--maxmemory-samples", "10"], binary=binary).start()
+    client = server.client()
+    metrics = BufferMetrics()
+    try:
+        with SignalBuffer.from_url(server.url, namespace=namespace(), env={}, pending_ttl_s=3600) as buffer:
+            metrics.track(buffer)
+            for rank in range(20):
+                buffer.record("p0", rank, 0, [(slot, 10) for slot in range(50)])
+            client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 1024 * 1024)
+            value = b"x" * 8192
+            n = 0
+            while sum(client.exists(buffer.protocol.keys.rank("p0", r).pending) for r in range(20)) == 20:
+                client.set(f"other:{n}", value, ex=3600)  # another tenant's cache, with TTLs
+                n += 1
+                assert n < 20_000, "nothing of ours was evicted"
+            text = metrics.render().decode()
+            label = f"127.0.0.1:{server.port}"
+            assert sample(text, "rls_server_evicting", server=label, policy="volatile-lru") == 1
+            assert (sample(text, "rls_server_evicted_keys_total", server=label) or 0) > 0
+            lost = [
+                sample(text, "rls_counter_mismatch", namespace=buffer.config.namespace, instance="p0", rank=str(r))
+                for r in range(20)
+            ]
+            assert any(value and value > 0 for value in lost), lost
+            assert buffer.stats(sweep=False)["buffered"] == 1000  # the counters survived
+    finally:
+        client.close()
+        server.cleanup()
+
+
+def test_exporter_works_under_its_read_only_acl_rules() -> None:
+    from redis_layer_signals.metrics import BufferMetrics
+    from tests.test_metrics import sample
+
+    server = RedisServer(["--maxmemory-policy", "allkeys-lru"]).start()
+    admin = server.client()
+    try:
+        ns = namespace()
+        with SignalBuffer.from_url(server.url, namespace=ns, env={}) as writer:
+            writer.record("p0", 0, 0, [(1, 10), (2, 10)])
+        admin.execute_command("ACL", "SETUSER", "exporter", "on", ">pw", *acl.exporter_rules(ns))
+        metrics = BufferMetrics()
+        with SignalBuffer.from_url(f"redis://exporter:pw@127.0.0.1:{server.port}/0", namespace=ns, env={}) as reader:
+            metrics.track(reader)
+            text = metrics.render().decode()
+            assert sample(text, "rls_up", namespace=ns) == 1
+            assert sample(text, "rls_buffered_total", namespace=ns, instance="p0", rank="0") == 2
+            assert sample(text, "rls_counter_mismatch", namespace=ns, instance="p0", rank="0") == 0
+            assert sample(text, "rls_server_evicting", server=f"127.0.0.1:{server.port}", policy="allkeys-lru") == 1
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                reader.client.hset(reader.protocol.keys.rank("p0", 0).stats, "buffered", 0)
+    finally:
+        admin.close()
+        server.cleanup()
