@@ -216,3 +216,44 @@ def test_fake_server_reports_no_eviction() -> None:
     assert sample(text, "rls_server_evicting", server="memory", policy="noeviction") == 0
     assert sample(text, "rls_counter_mismatch", namespace="m9", instance="p0", rank="0") == 0
     buf.close()
+
+
+def test_rls_metrics_started_before_its_redis_reports_down_then_up(namespace: str) -> None:
+    """The exporter outlives Redis: started while nothing listens, it serves rls_up 0, then the
+    real figures once Redis answers."""
+    redis_port, port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
+    command = [sys.executable, "-m", "redis_layer_signals", "metrics", "--redis", f"redis://127.0.0.1:{redis_port}/0"]
+    command += ["--namespace", namespace, "--port", str(port), "--host", "127.0.0.1", "--duration-s", "90"]
+    exporter = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    late: RedisServer | None = None
+    try:
+        pages: list[str] = []
+
+        def scrape() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                pages.append(response.read().decode())
+            return True
+
+        wait_until(scrape, timeout=30, what="rls metrics to answer while Redis is down")
+        assert exporter.poll() is None
+        assert sample(pages[-1], "rls_up", namespace=namespace) == 0
+        late = RedisServer(port=redis_port).start()
+        with SignalBuffer.from_url(late.url, namespace=namespace, env={}) as buf:
+            buf.record("p0", 0, 0, [(1, 10)])
+        wait_until(
+            lambda: scrape() and sample(pages[-1], "rls_up", namespace=namespace) == 1,
+            timeout=30,
+            what="rls_up 1 once Redis answers",
+        )
+        assert sample(pages[-1], "rls_buffered_total", namespace=namespace, instance="p0", rank="0") == 1
+    finally:
+        exporter.terminate()
+        exporter.wait(timeout=10)
+        if late is not None:
+            late.cleanup()
