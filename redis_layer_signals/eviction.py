@@ -134,15 +134,29 @@ def evicting(policies: Mapping[str, str]) -> dict[str, str]:
     return {server: policy for server, policy in policies.items() if policy not in (SAFE_POLICY, UNKNOWN)}
 
 
+def _first_time(server: str, policy: str) -> bool:
+    with _warned_lock:
+        if (server, policy) in _warned:
+            return False
+        _warned.add((server, policy))
+        return True
+
+
 def judge(policies: Mapping[str, str], mode: str) -> None:
-    """Warn once per process and server about an evicting server; raise in ``refuse`` mode."""
+    """Warn once per process and server about an evicting server; raise in ``refuse`` mode.
+    A policy that could not be read is warned about too (once), but not refused."""
+    for server, policy in policies.items():
+        if policy == UNKNOWN and _first_time(server, policy):
+            logger.warning(
+                "cannot read the maxmemory-policy of Redis %s (CONFIG GET and INFO refused): make sure it is "
+                "noeviction, or grant +info (see acl.rules())",
+                server,
+            )
     for server, policy in evicting(policies).items():
         if mode == REFUSE:
             raise EvictingServer(server, policy)
-        with _warned_lock:
-            if (server, policy) in _warned:
-                continue
-            _warned.add((server, policy))
+        if not _first_time(server, policy):
+            continue
         logger.warning(
             "Redis %s has maxmemory-policy %s: it may evict pending signals, tasks and counters "
             "without an error, and the buffer cannot see what it lost. "

@@ -26,7 +26,7 @@ from redis_layer_signals import (
     acl,
 )
 from tests.servers import REDIS_SERVER, VALKEY, RedisServer
-from tests.topology import ClusterTopology
+from tests.topology import ClusterTopology, SentinelTopology
 
 EVICTING = ("allkeys-lru", "volatile-lru", "allkeys-random")
 LOGGER = "redis_layer_signals"
@@ -387,3 +387,52 @@ def test_exporter_works_under_its_read_only_acl_rules() -> None:
     finally:
         admin.close()
         server.cleanup()
+
+
+def test_a_policy_that_cannot_be_read_is_warned_about_not_refused(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    server = RedisServer(["--maxmemory-policy", "allkeys-lru"]).start()
+    admin = server.client()
+    try:
+        ns = namespace()
+        rules = [rule for rule in acl.rules(ns) if rule != "+info"]
+        admin.execute_command("ACL", "SETUSER", "blind", "on", ">pw", *rules)
+        url = f"redis://blind:pw@127.0.0.1:{server.port}/0"
+        with SignalBuffer.from_url(url, namespace=ns, env={}, eviction="refuse") as buffer:
+            assert buffer.record("p0", 0, 0, [(1, 10)]).buffered
+            assert buffer.policies == {f"127.0.0.1:{server.port}": "unknown"}
+        found = [r.getMessage() for r in caplog.records if "cannot read the maxmemory-policy" in r.getMessage()]
+        assert len(found) == 1 and str(server.port) in found[0]
+    finally:
+        admin.close()
+        server.cleanup()
+
+
+def test_sentinel_primary_is_checked(sentinel_group: SentinelTopology) -> None:
+    primary = sentinel_group.current_primary()
+    with SignalBuffer.from_url(sentinel_group.url, namespace=namespace(), env={}, eviction="refuse") as buffer:
+        assert buffer.record("p0", 0, 0, [(1, 10)]).buffered
+        assert buffer.policies == {"sentinel:" + sentinel_group.url.rsplit("/", 1)[1]: "noeviction"}
+    admin = primary.client()
+    try:
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        refusing = SignalBuffer.from_url(sentinel_group.url, namespace=namespace(), env={}, eviction="refuse")
+        with refusing, pytest.raises(EvictingServer):
+            refusing.record("p0", 0, 0, [(1, 10)])
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.close()
+
+
+def test_async_cluster_reads_every_primary(cluster: ClusterTopology) -> None:
+    async def scenario() -> dict[str, str]:
+        buffer = AsyncSignalBuffer.from_url(cluster.url, namespace=namespace(), env={})
+        try:
+            await buffer.record("p0", 0, 0, [(1, 10)])
+            return buffer.policies
+        finally:
+            await buffer.close()
+
+    policies = asyncio.run(scenario())
+    assert sorted(policies) == sorted(f"127.0.0.1:{node.port}" for node in cluster.primary_nodes())
+    assert set(policies.values()) == {"noeviction"}
