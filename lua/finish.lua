@@ -19,6 +19,10 @@
 -- request, are dropped and counted; signals that name another request stay for that request.
 -- A resend with the same token returns the first reply, so a retried finish cannot drop a
 -- signal recorded after the first run.
+--
+-- Flag allow-oom: finish only frees memory, so it runs on a server at maxmemory (noeviction),
+-- which then drains as requests finish. What it adds is bounded: the reply key (a few dozen
+-- bytes, expiring after reply_ttl_ms) and counter increments in the stats hash.
 
 local function finish(keys, args)
   local live_key, pending_key, expiry_key, stats_key, reply_key = keys[1], keys[2], keys[3], keys[4], keys[5]
@@ -72,4 +76,4 @@ local function finish(keys, args)
   return remember_reply(reply_key, head .. removed .. ',' .. #doomed .. ',0', args[4])
 end
 
-redis.register_function('rls_v2_finish', finish)
+redis.register_function{function_name = 'rls_v2_finish', callback = finish, flags = {'allow-oom'}}

@@ -13,9 +13,12 @@
 -- sweep in _lib.lua), so a caller loops while the reply is not zero. record, register and
 -- finish run the same sweep on their own rank first; this lets a reader (stats, an operator)
 -- count expiries on a rank that has gone quiet.
+--
+-- Flag allow-oom: the sweep only frees memory (it adds to existing counters), so it runs on a
+-- server at maxmemory (noeviction) and makes room there.
 
 local function sweep_rank(keys, args)
   return sweep(keys[1], keys[2], keys[3], now_ms(args[1]), args[2])
 end
 
-redis.register_function('rls_v2_sweep', sweep_rank)
+redis.register_function{function_name = 'rls_v2_sweep', callback = sweep_rank, flags = {'allow-oom'}}

@@ -10,9 +10,11 @@ from .buffer import SignalBuffer
 from .config import BufferConfig
 from .errors import (
     BufferUnavailable,
+    EvictingServer,
     InvalidConfig,
     InvalidSignal,
     InvalidTask,
+    ServerOutOfMemory,
     SignalBufferError,
     SlotOccupied,
 )
@@ -24,6 +26,7 @@ __all__ = [
     "BufferUnavailable",
     "CacheTask",
     "DropReason",
+    "EvictingServer",
     "FinishResult",
     "InvalidConfig",
     "InvalidSignal",
@@ -31,6 +34,7 @@ __all__ = [
     "LayerSignal",
     "RecordResult",
     "RegisterResult",
+    "ServerOutOfMemory",
     "SignalBuffer",
     "SignalBufferError",
     "SlotOccupied",

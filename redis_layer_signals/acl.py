@@ -42,6 +42,7 @@ CLIENT_COMMANDS = (
     "scan",
     "time",
     "ping",
+    "info",  # INFO memory: the maxmemory-policy where CONFIG GET is not granted (see eviction.py)
     "wait",  # only with wait_replicas
 )
 """Commands the buffers send themselves. redis-py also sends ``CLIENT SETINFO`` on connect
@@ -63,3 +64,14 @@ def rules(namespace: str | None = None, cluster: bool = False) -> list[str]:
     """ACL rules for ``ACL SETUSER <user> on ><password> <rules...>`` (password not included)."""
     commands = dict.fromkeys((*CLIENT_COMMANDS, *SCRIPT_COMMANDS, *(CLUSTER_COMMANDS if cluster else ())))
     return ["resetkeys", f"~{key_pattern(namespace)}", "resetchannels", "-@all", *(f"+{c}" for c in commands)]
+
+
+EXPORTER_COMMANDS = ("scan", "hgetall", "hlen", "multi", "exec", "info", "time", "ping")
+"""What ``rls metrics`` sends: the counters and pending counts of each rank (one MULTI per
+rank), and ``INFO memory stats`` for each server's eviction policy and ``evicted_keys``."""
+
+
+def exporter_rules(namespace: str | None = None, cluster: bool = False) -> list[str]:
+    """Read-only ACL rules for the ``rls metrics`` exporter's user (see :func:`rules`)."""
+    commands = dict.fromkeys((*EXPORTER_COMMANDS, *(CLUSTER_COMMANDS if cluster else ())))
+    return ["resetkeys", f"%R~{key_pattern(namespace)}", "resetchannels", "-@all", *(f"+{c}" for c in commands)]

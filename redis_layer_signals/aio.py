@@ -8,11 +8,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
-from . import connection, replication, wire
+from . import connection, eviction, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .errors import ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
@@ -95,6 +96,18 @@ class AsyncSignalBuffer(BufferBase):
         keys = await self._retrying("stats", partial(self._scan, self.protocol.keys.pattern("stats")))
         return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
 
+    async def server_policies(self) -> dict[str, str]:
+        """Each server's ``maxmemory-policy``, read now (see SignalBuffer.server_policies)."""
+        self.policies = await self._retrying("policy", partial(eviction.async_server_policies, self.client))
+        eviction.judge(self.policies, eviction.WARN)
+        return dict(self.policies)
+
+    async def _check_server(self) -> None:
+        """Read the eviction policy before the first write (see SignalBuffer._check_server)."""
+        self.policies = await eviction.async_server_policies(self.client)
+        eviction.judge(self.policies, self.config.eviction)
+        self._server_unchecked = False
+
     async def close(self) -> None:
         if self._direct is not None:
             await self._direct.close()
@@ -147,6 +160,7 @@ class AsyncSignalBuffer(BufferBase):
                 return await action()
             except RETRYABLE as exc:
                 error = exc
+                self._server_unchecked = True  # a reconnect may reach another node
 
     async def _execute(self, prepared: Prepared[T]) -> T:
         """Send once inline, resend only after a retryable error (see SignalBuffer._execute)."""
@@ -158,9 +172,13 @@ class AsyncSignalBuffer(BufferBase):
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
         try:
-            reply = await self._send(operation, call)
-        except RETRYABLE as exc:
-            reply = await self._resend(operation, partial(self._send, operation, call), started, exc)
+            try:
+                reply = await self._send(operation, call)
+            except RETRYABLE as exc:
+                self._server_unchecked = True  # a reconnect may reach another node
+                reply = await self._resend(operation, partial(self._send, operation, call), started, exc)
+        except OutOfMemoryError as exc:
+            raise ServerOutOfMemory(operation, exc) from exc
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
@@ -169,6 +187,8 @@ class AsyncSignalBuffer(BufferBase):
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
     async def _send(self, operation: str, call: ScriptCall) -> Any:
+        if self._server_unchecked:
+            await self._check_server()
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
             return await replication.async_run_and_wait(self.client, call, operation, wanted, timeout_ms)

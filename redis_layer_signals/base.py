@@ -45,6 +45,8 @@ class BufferBase:
         retry_s: float | None = None,
         wait_replicas: int | None = None,
         wait_timeout_ms: int | None = None,
+        max_layers: int | None = None,
+        eviction: str | None = None,
         clock: Clock | None = None,
         observer: Observer | None = None,
         env: Mapping[str, str] | None = None,
@@ -91,11 +93,18 @@ class BufferBase:
             retry_s=retry_s,
             wait_replicas=wait_replicas,
             wait_timeout_ms=wait_timeout_ms,
+            max_layers=max_layers,
+            eviction=eviction,
         )
         self.client = client
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
         self._direct = self.direct_calls(client)
+        self._server_unchecked = True
+        """Set until the server's maxmemory-policy is read, and again after a retryable error
+        (a reconnect may reach another node): the only eviction cost a call pays is this test."""
+        self.policies: dict[str, str] = {}
+        """Each server's maxmemory-policy as last read (see :mod:`.eviction`)."""
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:

@@ -8,11 +8,12 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
-from . import connection, replication, wire
+from . import connection, eviction, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .errors import ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
@@ -115,6 +116,21 @@ class SignalBuffer(BufferBase):
         keys = self._retrying("stats", lambda: list(self.client.scan_iter(match=pattern, count=1000)))
         return sum_stats([self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
 
+    def server_policies(self) -> dict[str, str]:
+        """Each server's ``maxmemory-policy`` (every primary of a Cluster), read now; anything
+        but ``noeviction`` is warned about once per process and server (see :mod:`.eviction`)."""
+        self.policies = self._retrying("policy", partial(eviction.server_policies, self.client))
+        eviction.judge(self.policies, eviction.WARN)
+        return dict(self.policies)
+
+    def _check_server(self) -> None:
+        """Read the servers' eviction policy before the first write (and after a reconnect):
+        warn, or refuse in ``refuse`` mode (checked again on the next call, so fixing the
+        server's setting is enough). Connection errors go to the call's retry loop."""
+        self.policies = eviction.server_policies(self.client)
+        eviction.judge(self.policies, self.config.eviction)
+        self._server_unchecked = False
+
     def close(self) -> None:
         if self._direct is not None:
             self._direct.close()
@@ -169,6 +185,7 @@ class SignalBuffer(BufferBase):
                 return action()
             except RETRYABLE as exc:
                 error = exc
+                self._server_unchecked = True  # a reconnect may reach another node
 
     def _execute(self, prepared: Prepared[T]) -> T:
         """Send a prepared call and parse its reply. The first send is made inline (no closure,
@@ -182,9 +199,13 @@ class SignalBuffer(BufferBase):
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
         try:
-            reply = self._send(operation, call)
-        except RETRYABLE as exc:
-            reply = self._resend(operation, partial(self._send, operation, call), started, exc)
+            try:
+                reply = self._send(operation, call)
+            except RETRYABLE as exc:
+                self._server_unchecked = True  # a reconnect may reach another node
+                reply = self._resend(operation, partial(self._send, operation, call), started, exc)
+        except OutOfMemoryError as exc:
+            raise ServerOutOfMemory(operation, exc) from exc
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
@@ -193,6 +214,8 @@ class SignalBuffer(BufferBase):
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
     def _send(self, operation: str, call: ScriptCall) -> Any:
+        if self._server_unchecked:
+            self._check_server()
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
             return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms)

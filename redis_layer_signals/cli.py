@@ -396,7 +396,10 @@ def metrics_command(
 
     metrics = BufferMetrics()
     with SignalBuffer.from_url(redis, namespace=namespace, observer=metrics.observe) as buf:
-        buf.now_ms()  # fail now, with one line, if Redis is unreachable
+        try:
+            buf.client.ping()
+        except Exception as exc:  # keep serving: the exporter reports rls_up 0 until Redis answers
+            err.print(f"Redis does not answer yet ({exc}); serving rls_up 0 until it does", markup=False)
         metrics.track(buf)
         server = metrics.serve(port, host)
         err.print(f"serving metrics of {namespace!r} on http://{host}:{server.server_port}/metrics", markup=False)

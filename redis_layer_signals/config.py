@@ -9,6 +9,8 @@ from typing import Any
 
 from . import validation
 from .constants import (
+    DEFAULT_EVICTION,
+    DEFAULT_MAX_LAYERS,
     DEFAULT_MAX_SLOTS,
     DEFAULT_NAMESPACE,
     DEFAULT_PENDING_TTL_S,
@@ -18,8 +20,10 @@ from .constants import (
     DEFAULT_WAIT_REPLICAS,
     DEFAULT_WAIT_TIMEOUT_MS,
     ENV_PREFIX,
+    MAX_INT,
 )
 from .errors import InvalidConfig
+from .eviction import EVICTION_MODES
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class BufferConfig:
     retry_s: float = DEFAULT_RETRY_S
     wait_replicas: int = DEFAULT_WAIT_REPLICAS  # replication option: see replication.py
     wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
+    max_layers: int = DEFAULT_MAX_LAYERS
+    eviction: str = DEFAULT_EVICTION  # warn | refuse: see eviction.py
 
     def __post_init__(self) -> None:
         validation.identifier(self.namespace, "namespace", InvalidConfig)
@@ -46,6 +52,9 @@ class BufferConfig:
         validation.integer(self.max_slots, "max_slots", InvalidConfig, 1, 65536)
         validation.integer(self.wait_replicas, "wait_replicas", InvalidConfig, 0, 65536)
         validation.integer(self.wait_timeout_ms, "wait_timeout_ms", InvalidConfig, 1, 2**31)
+        validation.integer(self.max_layers, "max_layers", InvalidConfig, 1, MAX_INT)
+        if self.eviction not in EVICTION_MODES:
+            raise InvalidConfig("eviction", self.eviction, f"must be one of {', '.join(EVICTION_MODES)}")
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> BufferConfig:
@@ -88,6 +97,8 @@ class BufferConfig:
             "retry_s": self.retry_s,
             "wait_replicas": self.wait_replicas,
             "wait_timeout_ms": self.wait_timeout_ms,
+            "max_layers": self.max_layers,
+            "eviction": self.eviction,
             "env": {},
         }
 
@@ -101,4 +112,6 @@ _ENV_FIELDS: dict[str, Any] = {
     "retry_s": float,
     "wait_replicas": int,
     "wait_timeout_ms": int,
+    "max_layers": int,
+    "eviction": str,
 }

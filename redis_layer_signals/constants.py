@@ -18,6 +18,12 @@ DEFAULT_MAX_SLOTS = 512
 """Engine slots per rank (FastDeploy's max batch size bound)."""
 DEFAULT_RETRY_S = 3.0
 """How long one call keeps resending before it raises BufferUnavailable."""
+DEFAULT_MAX_LAYERS = 1024
+"""Layers a model may have: ``record`` refuses a layer at or above it. The deepest models
+served today have about a hundred; each distinct pending layer costs the rank's calls time."""
+DEFAULT_EVICTION = "warn"
+"""What a buffer does on a server whose maxmemory-policy may evict: ``warn`` (log once, export
+the metric) or ``refuse`` (raise EvictingServer). See docs/operations/redis-settings.md."""
 
 MAX_BATCH = 512
 """Entries accepted by one ``record`` call: one function call, bounded work."""

@@ -65,3 +65,28 @@ class BufferUnavailable(SignalBufferError):
         self.operation = operation
         self.retry_s = retry_s
         super().__init__(f"{operation}: Redis unavailable after retrying for {retry_s:g}s: {cause}")
+
+
+class EvictingServer(SignalBufferError):
+    """The server may evict keys (its ``maxmemory-policy`` is not ``noeviction``) and the
+    buffer was told to refuse such a server (``eviction="refuse"``): nothing was sent."""
+
+    def __init__(self, server: str, policy: str) -> None:
+        self.server = server
+        self.policy = policy
+        super().__init__(
+            f"Redis {server} has maxmemory-policy {policy}, which may evict signals silently; "
+            f"set `maxmemory-policy noeviction` on it (refusing because eviction='refuse')"
+        )
+
+
+class ServerOutOfMemory(SignalBufferError):
+    """The server is at ``maxmemory`` and refuses writes (``noeviction``): the call changed
+    nothing. ``finish`` and the sweep still run, so the server drains as requests finish;
+    ``__cause__`` is redis-py's ``OutOfMemoryError``."""
+
+    def __init__(self, operation: str, cause: BaseException) -> None:
+        self.operation = operation
+        super().__init__(
+            f"{operation}: Redis is out of memory (maxmemory reached, writes refused; nothing changed): {cause}"
+        )

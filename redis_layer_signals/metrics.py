@@ -17,6 +17,7 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest, sta
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from . import eviction
 from .buffer import SignalBuffer
 from .counters import COUNTERS
 from .replies import text
@@ -62,6 +64,11 @@ HELP = {
     "reconciled": "Entries the FastDeploy bridge wrote back to Redis after an outage",
 }
 
+ENDINGS = ("recovered", "finish_dropped", "superseded", "expired")
+"""Where a buffered signal ends, with every ``dropped_<reason>``: invariant 1 in numbers."""
+PENDING_META_FIELDS = 2
+"""Fields of a rank's pending hash that are not signals: "layers" and '~' (lua/_lib.lua)."""
+
 
 @dataclass(frozen=True)
 class CounterSample:
@@ -93,13 +100,27 @@ def rank_counters(raw: dict[Any, Any]) -> dict[str, float]:
     return counters
 
 
-def read_rank_stats(buffer: SignalBuffer) -> dict[tuple[str, int], dict[str, float]]:
-    """Every rank's counters in ``buffer``'s namespace (read only: no sweep, no retry)."""
+def unaccounted(counters: dict[str, float], pending: int) -> float:
+    """Buffered signals that neither ended (recovered, dropped, superseded, expired) nor are
+    still pending: 0 on a healthy rank. Positive: signals vanished (evicted, or their key's
+    TTL ran out before a sweep counted them); negative: the counters themselves were lost."""
+    ended = sum(value for name, value in counters.items() if name in ENDINGS or name.startswith(DROPPED_PREFIX))
+    return counters["buffered"] - ended - pending
+
+
+def read_rank_stats(buffer: SignalBuffer) -> dict[tuple[str, int], tuple[dict[str, float], int]]:
+    """Every rank's counters and pending signal count in ``buffer``'s namespace (read only:
+    no sweep, no retry). Both come from one MULTI (the keys share a hash tag), so they agree."""
     keys = buffer.protocol.keys
-    return {
-        (instance, rank): rank_counters(buffer.client.hgetall(keys.rank(instance, rank).stats))
-        for instance, rank in buffer.ranks()
-    }
+    ranks = {}
+    for instance, rank in buffer.ranks():
+        rank_keys = keys.rank(instance, rank)
+        pipe = buffer.client.pipeline(transaction=True)
+        pipe.hgetall(rank_keys.stats)
+        pipe.hlen(rank_keys.pending)
+        raw, fields = pipe.execute()
+        ranks[(instance, rank)] = (rank_counters(raw), max(0, int(fields) - PENDING_META_FIELDS))
+    return ranks
 
 
 T = TypeVar("T")
@@ -179,6 +200,12 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
             labels=["namespace"],
         )
         families: dict[str, CounterMetricFamily] = {}
+        mismatch = GaugeMetricFamily(
+            f"{METRIC_PREFIX}_counter_mismatch",
+            "Buffered signals neither ended nor pending (0 when healthy; else lost, e.g. evicted)",
+            labels=list(RANK_LABELS),
+        )
+        servers: dict[str, tuple[str, float | None]] = {}
         for buffer in buffers:
             namespace = buffer.config.namespace
             started = time.perf_counter()
@@ -190,7 +217,10 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
                 continue
             self.metrics.observe("stats", time.perf_counter() - started)
             up.add_metric([namespace], 1)
-            for (instance, rank), counters in ranks.items():
+            with contextlib.suppress(Exception):  # best effort: the counters are exported anyway
+                servers.update(eviction.server_figures(buffer.client))
+            for (instance, rank), (counters, pending) in ranks.items():
+                mismatch.add_metric([namespace, instance, str(rank)], unaccounted(counters, pending))
                 for field, value in counters.items():
                     sample = counter_sample(field, value)
                     family = families.get(sample.family)
@@ -204,3 +234,25 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
                     family.add_metric([namespace, instance, str(rank), *(v for _, v in sample.extra)], sample.value)
         yield up
         yield from families.values()
+        yield mismatch
+        yield from server_families(servers)
+
+
+def server_families(servers: dict[str, tuple[str, float | None]]) -> Iterator[Metric]:
+    """Per server: whether its maxmemory-policy may evict, and the keys it evicted."""
+    evicting = GaugeMetricFamily(
+        f"{METRIC_PREFIX}_server_evicting",
+        "1 when the server's maxmemory-policy may evict keys (anything but noeviction)",
+        labels=["server", "policy"],
+    )
+    evicted = CounterMetricFamily(
+        f"{METRIC_PREFIX}_server_evicted_keys",
+        "Keys the server evicted since it started (INFO stats evicted_keys, every tenant's keys)",
+        labels=["server"],
+    )
+    for server, (policy, keys) in sorted(servers.items()):
+        evicting.add_metric([server, policy], 1 if eviction.evicting({server: policy}) else 0)
+        if keys is not None:
+            evicted.add_metric([server], keys)
+    yield evicting
+    yield evicted

@@ -202,6 +202,8 @@ class Protocol:
         self._task_key_ttl = _ms(config.task_ttl_s + TASK_KEY_GRACE_S)
         self._reply_ttl = _ms(config.retry_s + REPLY_GRACE_S)
         self._sweep = str(SWEEP_LIMIT)
+        self._max_layers = config.max_layers
+        """Layers are below it: each distinct pending layer of a rank costs its calls time."""
         self._valid: dict[tuple[str, int], RankKeys] = {}
         """(instance, rank) pairs that passed validation, keyed by exact str and int only."""
 
@@ -227,7 +229,9 @@ class Protocol:
 
     def record(self, instance: Any, rank: Any, layer: Any, entries: Iterable[Any]) -> Prepared[RecordResult]:
         keys = self.rank_keys(instance, rank, InvalidSignal)
-        validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
+        if not (type(layer) is int and 0 <= layer < self._max_layers):
+            validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
+            raise InvalidSignal("layer", layer, f"must be below max_layers={self._max_layers}")
         batch: Sequence[tuple[Any, ...]] | None = plain_batch(entries, self.config.max_slots)
         triples = batch is None  # else a plain batch of (slot, tokens) pairs
         with_rids = "0"
@@ -264,7 +268,9 @@ class Protocol:
         validation.slot(task.slot, self.config.max_slots, InvalidTask)
         validation.identifier(task.request_id, "request_id", InvalidTask)
         validation.integer(task.need_prefill_tokens, "need_prefill_tokens", InvalidTask, 0, MAX_INT)
-        validation.integer(task.num_layers, "num_layers", InvalidTask, 1, MAX_INT)
+        if not (type(task.num_layers) is int and 1 <= task.num_layers <= self._max_layers):
+            validation.integer(task.num_layers, "num_layers", InvalidTask, 1, MAX_INT)
+            raise InvalidTask("num_layers", task.num_layers, f"must be at most max_layers={self._max_layers}")
         validation.integer(task.decode_cached_tokens, "decode_cached_tokens", InvalidTask, 0, MAX_INT)
         if type(task.meta) is not dict or task.meta:  # an empty dict is valid meta
             validation.meta(task.meta)

@@ -149,7 +149,6 @@ def test_purge_refuses_without_yes_and_removes_only_its_namespace(redis_server: 
         ("stats",),
         ("inspect",),
         ("purge", "--namespace", "x", "--yes"),
-        ("metrics", "--port", "0", "--duration-s", "1"),
         ("simulate", "--requests", "1", "--layers", "1"),
     ],
 )
@@ -160,6 +159,14 @@ def test_unreachable_redis_prints_one_line_and_exits_non_zero(args: tuple[str, .
     assert "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("rls: error:"), done.stderr
+
+
+def test_metrics_keeps_serving_while_redis_is_unreachable() -> None:
+    """The exporter outlives Redis: it says so in one line and serves rls_up 0 (tests/test_metrics.py)."""
+    done = rls("metrics", "--port", "0", "--duration-s", "1", "--redis", f"redis://127.0.0.1:{free_port()}/0")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "serving rls_up 0 until it does" in done.stderr
 
 
 @pytest.mark.parametrize(

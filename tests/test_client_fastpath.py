@@ -241,7 +241,7 @@ def test_task_document_of_any_valid_task_is_the_text_json_dumps_writes(
 ) -> None:
     """The f-string written for a task without meta and the encoder agree on every valid task."""
     task = CacheTask("p0", 0, 5, request_id, need, layers, cached, meta=meta)
-    Protocol(BufferConfig.resolve({})).task_keys(task)  # only validated tasks are encoded
+    Protocol(BufferConfig.resolve({}, max_layers=2**53 - 1)).task_keys(task)  # only validated tasks are encoded
     document = {
         "request_id": request_id,
         "need_prefill_tokens": need,

@@ -192,4 +192,7 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
         "RlsBridgeRanDegraded",
         "RlsBridgeErrors",
         "RlsExporterCannotReachRedis",
+        "RlsServerMayEvict",
+        "RlsServerEvictedKeys",
+        "RlsCountersMismatch",
     } <= fired

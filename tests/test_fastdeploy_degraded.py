@@ -360,3 +360,29 @@ def test_a_bug_after_the_redis_call_is_logged_and_holds_nothing_back(
     assert len([r for r in caplog.records if "bookkeeping bug" in str(r.exc_info)]) == 1, "logged once"
     assert bridge.health().errors == {"on_cache_task": 2}
     assert 5 not in bridge._gates and 6 not in bridge._gates
+
+
+def test_bridge_serves_locally_while_redis_is_out_of_memory_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """noeviction at maxmemory: the bridge serves as in an outage, logs that Redis is out of
+    memory, and writes back once the server has room again."""
+    caplog.set_level(logging.WARNING)
+    full = RedisServer(["--maxmemory-policy", "noeviction"]).start()
+    client = full.client()
+    buffer = SignalBuffer.from_url(full.url, namespace=f"oom-{uuid.uuid4().hex[:8]}", retry_s=RETRY_S, env={})
+    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, probe_s=0.05)
+    try:
+        client.config_set("maxmemory", 1)  # every write is refused with OOM
+        assert bridge.on_kv_signal(kv((1, 0, 100))) == []  # early: held locally
+        assert bridge.on_cache_task(cache_info(1, "r1")) == [(1, 100)]
+        assert bridge.health().degraded
+        assert any("out of memory" in r.getMessage() and "locally" in r.getMessage() for r in caplog.records)
+        client.config_set("maxmemory", 0)  # room again
+        wait_until(lambda: not bridge.health().degraded, WAIT_S, what="the bridge to write back")
+        assert buffer.task("p0", 0, 1) is not None  # the task served locally is in Redis now
+    finally:
+        bridge.close()
+        buffer.close()
+        client.close()
+        full.cleanup()

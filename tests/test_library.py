@@ -26,7 +26,10 @@ def functions_on(client: redis.Redis) -> set[str]:
 def test_the_library_is_the_lua_files_joined_and_named_with_its_version() -> None:
     code = library().code
     assert code.startswith(f"#!lua name={LIBRARY_NAME}\n")
-    registered = re.findall(r"^redis\.register_function\('(\w+)', \w+\)$", code, re.MULTILINE)
+    plain = r"\('(\w+)', \w+\)"
+    flagged = r"\{function_name = '(\w+)', callback = \w+, flags = \{'allow-oom'\}\}"  # finish, sweep
+    found = re.findall(rf"^redis\.register_function(?:{plain}|{flagged})$", code, re.MULTILINE)
+    registered = [a or b for a, b in found]
     assert registered == [FUNCTIONS[operation] for operation in OPERATIONS]
     assert all(name.startswith(LIBRARY_NAME + "_") for name in registered)
     assert "@helpers" not in code
@@ -94,3 +97,25 @@ def test_a_cluster_primary_without_the_library_gets_it_back_and_the_others_keep_
         with node.client() as client:
             assert functions_on(client) == set(FUNCTIONS.values()), node.port
     buf.close()
+
+
+def test_only_the_functions_that_free_memory_run_when_the_server_is_full(redis_server: RedisServer) -> None:
+    """finish and sweep carry allow-oom (a full server drains through them); record and register
+    do not, so Redis refuses them before they run when it is at maxmemory."""
+    client = redis_server.client()
+    try:
+        load_library(client)
+        flags = {}
+        for entry in client.function_list(library=LIBRARY_NAME):
+            fields = dict(zip(entry[::2], entry[1::2], strict=True))
+            for function in fields[b"functions"]:
+                described = dict(zip(function[::2], function[1::2], strict=True))
+                flags[described[b"name"].decode()] = sorted(flag.decode() for flag in described[b"flags"])
+        assert flags == {
+            FUNCTIONS["record"]: [],
+            FUNCTIONS["register"]: [],
+            FUNCTIONS["finish"]: ["allow-oom"],
+            FUNCTIONS["sweep"]: ["allow-oom"],
+        }
+    finally:
+        client.close()

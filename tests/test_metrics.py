@@ -175,3 +175,85 @@ def test_every_rank_of_a_cluster_is_read_from_the_node_that_holds_it(cluster: Cl
         assert sample(text, "rls_up", namespace=namespace) == 1
         for n, (instance, rank) in enumerate(pairs, start=1):
             assert sample(text, "rls_buffered_total", namespace=namespace, instance=instance, rank=str(rank)) == n
+
+
+def test_counter_mismatch_is_zero_while_signals_are_accounted_for(redis_server: RedisServer, namespace: str) -> None:
+    """buffered = recovered + dropped + finish_dropped + superseded + expired + pending."""
+    metrics = BufferMetrics()
+    with SignalBuffer.from_url(redis_server.url, namespace=namespace, env={}, pending_ttl_s=0.05) as buf:
+        metrics.track(buf)
+        buf.record("p0", 0, 0, [(1, 10), (2, 10), (3, 10), (4, 10_000)])
+        buf.record("p0", 0, 0, [(1, 11)])  # supersedes
+        buf.record("p0", 0, 1, [(5, 10)])
+        buf.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=100, num_layers=2))  # recovers
+        buf.register(CacheTask("p0", 0, 4, "r4", need_prefill_tokens=100, num_layers=2))  # drops over need
+        buf.finish("p0", 0, 2, "gone")  # aborted: finish_dropped
+        rank0 = {"namespace": namespace, "instance": "p0", "rank": "0"}
+        assert sample(metrics.render().decode(), "rls_counter_mismatch", **rank0) == 0  # slots 3 and 5 pending
+        wait_until(lambda: buf.sweep() == 0 and buf.pending("p0", 0, 3) == [], what="expiry")
+        text = metrics.render().decode()
+        assert sample(text, "rls_counter_mismatch", **rank0) == 0
+        assert sample(text, "rls_server_evicting", server=f"127.0.0.1:{redis_server.port}", policy="noeviction") == 0
+        assert sample(text, "rls_server_evicted_keys_total", server=f"127.0.0.1:{redis_server.port}") == 0
+
+
+def test_keys_lost_behind_the_library_show_as_a_mismatch(redis_server: RedisServer, namespace: str) -> None:
+    metrics = BufferMetrics()
+    with SignalBuffer.from_url(redis_server.url, namespace=namespace, env={}) as buf:
+        metrics.track(buf)
+        buf.record("p0", 0, 0, [(1, 10), (2, 10), (3, 10)])
+        buf.client.delete(buf.protocol.keys.rank("p0", 0).pending)  # as an eviction would
+        text = metrics.render().decode()
+        assert sample(text, "rls_counter_mismatch", namespace=namespace, instance="p0", rank="0") == 3
+
+
+def test_fake_server_reports_no_eviction() -> None:
+    metrics = BufferMetrics()
+    buf = SignalBuffer.from_url("memory://metrics-evict", namespace="m9", env={})
+    metrics.track(buf)
+    buf.record("p0", 0, 0, [(1, 10)])
+    text = metrics.render().decode()
+    assert sample(text, "rls_server_evicting", server="memory", policy="noeviction") == 0
+    assert sample(text, "rls_counter_mismatch", namespace="m9", instance="p0", rank="0") == 0
+    buf.close()
+
+
+def test_rls_metrics_started_before_its_redis_reports_down_then_up(namespace: str) -> None:
+    """The exporter outlives Redis: started while nothing listens, it serves rls_up 0, then the
+    real figures once Redis answers."""
+    redis_port, port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
+    command = [sys.executable, "-m", "redis_layer_signals", "metrics", "--redis", f"redis://127.0.0.1:{redis_port}/0"]
+    command += ["--namespace", namespace, "--port", str(port), "--host", "127.0.0.1", "--duration-s", "90"]
+    exporter = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    late: RedisServer | None = None
+    try:
+        pages: list[str] = []
+
+        def scrape() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                pages.append(response.read().decode())
+            return True
+
+        wait_until(scrape, timeout=30, what="rls metrics to answer while Redis is down")
+        assert exporter.poll() is None
+        assert sample(pages[-1], "rls_up", namespace=namespace) == 0
+        late = RedisServer(port=redis_port).start()
+        with SignalBuffer.from_url(late.url, namespace=namespace, env={}) as buf:
+            buf.record("p0", 0, 0, [(1, 10)])
+        wait_until(
+            lambda: scrape() and sample(pages[-1], "rls_up", namespace=namespace) == 1,
+            timeout=30,
+            what="rls_up 1 once Redis answers",
+        )
+        assert sample(pages[-1], "rls_buffered_total", namespace=namespace, instance="p0", rank="0") == 1
+    finally:
+        exporter.terminate()
+        exporter.wait(timeout=10)
+        if late is not None:
+            late.cleanup()
