@@ -7,6 +7,7 @@ reaching a bridge (the fixture executed with stub imports)."""
 
 from __future__ import annotations
 
+import ast
 import difflib
 import os
 import subprocess
@@ -441,3 +442,31 @@ def test_the_unpatched_fixture_runs_too_so_the_stubs_fit_its_structure(monkeypat
     with pytest.raises(Stop):
         messager._add_cache_task_thread()
     assert messager.cache_prefilled_engine_ids_queue.get_nowait() == [(5, 128)]
+
+
+# -- the guide and the codemod say the same -----------------------------------------------------
+
+
+def guide_fragments() -> set[str]:
+    """The code of every ```python block of the guide's Patching section, comments aside."""
+    page = (Path(__file__).parent.parent / "docs" / "fastdeploy.md").read_text()
+    section = page.split("## Patching the fixed `CacheMessagerV1`")[1].split("\n## ")[0]
+    blocks = [part.split("```")[0] for part in section.split("```python\n")[1:]]
+    return {ast.dump(ast.parse(block)) for block in blocks}
+
+
+@pytest.mark.parametrize(
+    "inserted",
+    ["\n".join(patch.IMPORTS), patch.BRIDGE, patch.ON_KV_SIGNAL, patch.ON_CACHE_TASK, patch.ON_TASK_FINISHED],
+    ids=["imports", "bridge", "on_kv_signal", "on_cache_task", "on_task_finished"],
+)
+def test_the_codemod_inserts_exactly_the_guide_s_fragments(inserted: str) -> None:
+    assert ast.dump(ast.parse(inserted)) in guide_fragments()
+
+
+def test_the_guide_locates_each_place_by_the_line_the_codemod_looks_for() -> None:
+    section = (Path(__file__).parent.parent / "docs" / "fastdeploy.md").read_text().split("## Patching")[1]
+    for line in (patch.IMPORT_ANCHOR, patch.QUEUE_ANCHOR.rstrip(" ="), patch.THREADS, patch.TASK_LOCK):
+        assert f"`{line}" in section, line
+    for line in (patch.PENDING_LOCK, patch.SENDER_FINISH, "if recovered_signal is not None:", "if layer_id == 0:"):
+        assert f"`{line}`" in section, line
