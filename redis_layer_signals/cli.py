@@ -5,6 +5,8 @@ exit non-zero; a traceback would only hide which URL or argument was wrong."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -487,12 +489,13 @@ def fastdeploy_patch_command(
         _fail(f"{file}: {exc}", EXIT_STRUCTURE)
     if check:
         if result.changed:
-            sys.stdout.write(result.diff(file.name))
+            # The path as given, so that `patch -p1` applies the diff where it was made.
+            sys.stdout.write(result.diff(file.name if file.is_absolute() else file.as_posix()))
             raise typer.Exit(EXIT_FAILED)
         out.print(f"{file}: already patched", markup=False)
         return
     if output is not None:
-        output.write_bytes(result.patched)
+        _write_whole(output, result.patched, mode_of=file)
         what = "the patched form" if result.changed else "a copy (already patched)"
         out.print(f"{output}: {what} of {file}", markup=False)
         return
@@ -500,9 +503,21 @@ def fastdeploy_patch_command(
         out.print(f"{file}: already patched, left as it is", markup=False)
         return
     backup = file.with_name(file.name + ".orig")
-    backup.write_bytes(source)
-    file.write_bytes(result.patched)
+    _write_whole(backup, source, mode_of=file)
+    _write_whole(file, result.patched, mode_of=file)
     out.print(f"{file}: patched; the original is in {backup}", markup=False)
+
+
+def _write_whole(path: Path, data: bytes, mode_of: Path) -> None:
+    """Write ``path`` all at once (a temporary file renamed over it), with ``mode_of``'s mode:
+    an interrupted run never leaves half a file."""
+    temporary = path.with_name(f".{path.name}.rls-tmp")
+    try:
+        temporary.write_bytes(data)
+        shutil.copymode(mode_of, temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 # -- entry point -------------------------------------------------------------------------------

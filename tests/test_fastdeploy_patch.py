@@ -85,6 +85,7 @@ def test_patch_rewrites_the_file_keeps_the_original_and_a_second_run_changes_not
     backup = messager_file.with_name("cache_messager.py.orig")
     assert backup.read_bytes() == ORIGINAL
     assert messager_file.read_text() == patched_text()
+    assert sorted(p.name for p in messager_file.parent.iterdir()) == ["cache_messager.py", "cache_messager.py.orig"]
 
     check = rls("fastdeploy", "patch", str(messager_file), "--check")
     assert check.returncode == 0, check.stdout + check.stderr
@@ -93,6 +94,24 @@ def test_patch_rewrites_the_file_keeps_the_original_and_a_second_run_changes_not
     assert again.returncode == 0, again.stderr
     assert messager_file.read_text() == patched_text()
     assert backup.read_bytes() == ORIGINAL  # the second run did not overwrite the original with the patched file
+
+
+def test_the_diff_names_the_path_as_given_and_the_rewrite_keeps_the_file_s_mode(
+    rls: Callable[..., Done], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "fastdeploy" / "cache_manager" / "cache_messager.py"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(ORIGINAL)
+    target.chmod(0o640)
+    monkeypatch.chdir(tmp_path)
+    check = rls("fastdeploy", "patch", "fastdeploy/cache_manager/cache_messager.py", "--check")
+    assert check.returncode == 1
+    assert check.stdout.startswith(
+        "--- a/fastdeploy/cache_manager/cache_messager.py\n+++ b/fastdeploy/cache_manager/cache_messager.py\n"
+    )
+    assert rls("fastdeploy", "patch", "fastdeploy/cache_manager/cache_messager.py").returncode == 0
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert target.with_name("cache_messager.py.orig").stat().st_mode & 0o777 == 0o640
 
 
 def test_output_writes_the_patched_file_elsewhere_and_leaves_the_file_alone(
