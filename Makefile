@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,paddle,bench]'
+	$(BIN)/python -m pip install -q -e '.[dev,paddle,bench,fastdeploy]'
 	touch $(STAMP)
 
 # The tests start their own redis-server, redis-sentinel and cluster processes on free ports

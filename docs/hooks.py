@@ -60,12 +60,21 @@ def cli_reference() -> str:
     # typer ships its own copy of click: its objects are used through their methods only.
     root: Any = typer.main.get_command(app)
     context = root.context_class(root, info_name="rls")
+    return "\n".join(_references(root, context, ""))
+
+
+def _references(group: Any, context: Any, prefix: str) -> list[str]:
+    """Each command of ``group``, the commands of a subgroup (``rls fastdeploy patch``) under it."""
     parts = []
-    for name in root.list_commands(context):
-        command = root.get_command(context, name)
+    for name in group.list_commands(context):
+        command = group.get_command(context, name)
         assert command is not None, name
-        parts.append(command_reference(name, command, command.context_class(command, info_name=name, parent=context)))
-    return "\n".join(parts)
+        sub = command.context_class(command, info_name=name, parent=context)
+        if hasattr(command, "list_commands"):
+            parts += _references(command, sub, f"{prefix}{name} ")
+        else:
+            parts.append(command_reference(prefix + name, command, sub))
+    return parts
 
 
 def command_reference(name: str, command: Any, context: Any) -> str:

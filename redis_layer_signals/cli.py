@@ -5,11 +5,13 @@ exit non-zero; a traceback would only hide which URL or argument was wrong."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from redis.exceptions import RedisError
@@ -452,6 +454,75 @@ def bench_command(
     raise typer.Exit(runner.main(argv))
 
 
+# -- fastdeploy (the integration applied to FastDeploy's file; logic in .fastdeploy.patch) ------
+
+fastdeploy_app = typer.Typer(help="FastDeploy's cache messager, integrated.", no_args_is_help=True)
+app.add_typer(fastdeploy_app, name="fastdeploy")
+EXIT_STRUCTURE = 2
+"""``fastdeploy patch``: the file is not the release the codemod knows; nothing was written."""
+
+
+@fastdeploy_app.command("patch")
+def fastdeploy_patch_command(
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", help="FastDeploy's fastdeploy/cache_manager/cache_messager.py.")
+    ],
+    check: Annotated[
+        bool, typer.Option("--check", help="Print the diff, write nothing; exit 1 if the file needs patching.")
+    ] = False,
+    output: Annotated[
+        Path | None, typer.Option("--output", help="Write the patched file here; FILE is left as it is.")
+    ] = None,
+) -> None:
+    """Apply the integration guide to `CacheMessagerV1` (release/2.6 with PR 7872): the imports, the
+    bridge in `__init__` and the three hook points. Rewrites FILE and keeps the original as FILE.orig;
+    a file already patched is left alone; another release's file is refused (exit 2)."""
+    try:
+        from .fastdeploy.patch import StructureMismatch, patch_source
+    except ModuleNotFoundError as exc:
+        if exc.name != "libcst":
+            raise
+        _fail("rls fastdeploy patch needs libcst: pip install 'redis-layer-signals[fastdeploy]'", EXIT_FAILED)
+    if check and output is not None:
+        _fail("--check writes nothing: give --check or --output, not both", EXIT_USAGE)
+    source = file.read_bytes()
+    try:
+        result = patch_source(source)
+    except StructureMismatch as exc:
+        _fail(f"{file}: {exc}", EXIT_STRUCTURE)
+    if check:
+        if result.changed:
+            # The path as given, so that `patch -p1` applies the diff where it was made.
+            sys.stdout.write(result.diff(file.name if file.is_absolute() else file.as_posix()))
+            raise typer.Exit(EXIT_FAILED)
+        out.print(f"{file}: already patched", markup=False)
+        return
+    if output is not None:
+        _write_whole(output, result.patched, mode_of=file)
+        what = "the patched form" if result.changed else "a copy (already patched)"
+        out.print(f"{output}: {what} of {file}", markup=False)
+        return
+    if not result.changed:
+        out.print(f"{file}: already patched, left as it is", markup=False)
+        return
+    backup = file.with_name(file.name + ".orig")
+    _write_whole(backup, source, mode_of=file)
+    _write_whole(file, result.patched, mode_of=file)
+    out.print(f"{file}: patched; the original is in {backup}", markup=False)
+
+
+def _write_whole(path: Path, data: bytes, mode_of: Path) -> None:
+    """Write ``path`` all at once (a temporary file renamed over it), with ``mode_of``'s mode:
+    an interrupted run never leaves half a file."""
+    temporary = path.with_name(f".{path.name}.rls-tmp")
+    try:
+        temporary.write_bytes(data)
+        shutil.copymode(mode_of, temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 # -- entry point -------------------------------------------------------------------------------
 
 
@@ -469,7 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> NoReturn:
     line = " ".join(str(message).split())
     print(f"rls: error: {line}", file=sys.stderr)
     sys.exit(code)

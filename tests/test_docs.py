@@ -143,7 +143,17 @@ def test_cli_reference_renders_every_rls_command() -> None:
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
     rendered: str = hooks.cli_reference()
-    for command in ("simulate", "node", "registrar", "inspect", "stats", "purge", "metrics", "bench"):
+    for command in (
+        "simulate",
+        "node",
+        "registrar",
+        "inspect",
+        "stats",
+        "purge",
+        "metrics",
+        "bench",
+        "fastdeploy patch",
+    ):
         assert f"## `rls {command}`" in rendered, command
     assert "`--redis`" in rendered and "`RLS_REDIS_URL`" in rendered
     assert hooks.CLI_MARKER in (DOCS / "reference" / "cli.md").read_text()
