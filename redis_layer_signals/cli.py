@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import admin
+from . import __version__, admin
 from .buffer import SignalBuffer
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import SignalBufferError
@@ -42,6 +42,22 @@ app = typer.Typer(
 )
 out = Console()
 err = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"rls {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Early layer signals buffered in Redis for PD-disaggregated serving: simulate, inspect, operate."""
+
 
 RedisUrl = Annotated[
     str, typer.Option("--redis", envvar="RLS_REDIS_URL", help="memory://, redis://, rediss://, unix://, ...")
@@ -461,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("interrupted", 130)
     except _PARSER_ERROR as exc:
         _fail(getattr(exc, "format_message", exc.__str__)(), int(getattr(exc, "exit_code", EXIT_USAGE)))
-    except (SignalBufferError, RedisError, ValueError, OSError) as exc:
+    except (SignalBufferError, RedisError, ValueError, OSError, ModuleNotFoundError) as exc:  # an extra missing
         _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
     sys.exit(code if isinstance(code, int) else 0)
 
