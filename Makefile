@@ -97,7 +97,7 @@ docs-check: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 bench: $(STAMP) servers
-	$(BIN)/python -m redis_layer_signals bench
+	$(BIN)/python -m redis_layer_signals bench --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
