@@ -101,7 +101,7 @@ def _server_of(command: str, url: str | None) -> str:
     """The explicit server of an operator command; none given is a usage error."""
     if url is None or not url.strip():
         _fail(
-            f"rls {command} needs a server: pass --redis URL or set RLS_REDIS_URL "
+            f"{command} needs a server: pass --redis URL or set RLS_REDIS_URL "
             "(it has no default: memory:// would be an empty server of this process)",
             EXIT_USAGE,
         )
