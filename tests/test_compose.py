@@ -185,7 +185,7 @@ def test_cluster_create_gives_up_on_a_node_that_never_answers(
 ) -> None:
     """Every wait of the one-shot service is bounded: a node that accepts connections but never
     answers (stopped) fails it within CLUSTER_WAIT_S and the per-call bound, instead of hanging."""
-    server = RedisServer(args=["--cluster-enabled", "yes"])
+    server = RedisServer(args=["--cluster-enabled", "yes"], port=free_cluster_port(set()))
     servers.append(server.start())
     assert server.process is not None
     server.process.send_signal(signal.SIGSTOP)
