@@ -5,6 +5,7 @@ exit non-zero; a traceback would only hide which URL or argument was wrong."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -108,6 +109,11 @@ def _server_of(command: str, url: str | None) -> str:
     return url
 
 
+def _without_password(url: str) -> str:
+    """``url`` as it may be printed: its password, if any, masked."""
+    return re.sub(r"(://[^/@:]*:)[^@/]+@", r"\1***@", url)
+
+
 def _empty(buf: SignalBuffer, namespace: str) -> bool:
     return not admin.namespace_keys(buf.client, namespace)
 
@@ -170,7 +176,8 @@ def simulate_command(
     harm = foreign_faults(redis) if chaos and chaos_outage is None else None
     if harm is not None and not yes:
         err.print(
-            f"refusing --chaos on {redis}, a server this run did not start, without --yes: it would run {harm}",
+            f"refusing --chaos on {_without_password(redis)}, a server this run did not start, without --yes: "
+            f"it would run {harm}",
             markup=False,
             soft_wrap=True,
         )

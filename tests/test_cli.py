@@ -377,3 +377,9 @@ def test_bench_writes_to_a_new_folder_it_names_never_the_committed_results() -> 
     out = runner.default_out()
     assert out.name.startswith("rls-bench-") and not out.exists()
     assert "benchmarks" not in out.parts
+
+
+def test_chaos_refusal_does_not_print_the_password() -> None:
+    done = rls("simulate", "--chaos", "--redis", f"redis://ops:s3cret@127.0.0.1:{free_port()}/0")
+    assert done.returncode == 1 and "refusing --chaos on redis://ops:***@127.0.0.1:" in done.stderr, done.stderr
+    assert "s3cret" not in done.stderr
