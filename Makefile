@@ -6,7 +6,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint typecheck pytest servers bench docs docs-check docs-env clean
+.PHONY: demo test lint typecheck pytest pythons servers bench docs docs-check docs-env clean
+
+# The other supported Pythons: `make test` runs the behaviour suite on each (see `pythons`).
+PYENV_ROOT ?= $(HOME)/.pyenv
+OTHER_PYTHONS := 3.10 3.12 3.13
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,7 +57,36 @@ pytest: $(STAMP) servers docs-env
 	$(BIN)/pytest
 	RLS_TEST_SERVER=valkey $(BIN)/pytest -q $(VALKEY_AGAIN)
 
-test: lint typecheck docs-check pytest
+# The behaviour suite on each of the other Pythons, on fakeredis and one real redis-server (about
+# a minute each; the CLI's subprocess tests and the stateful model run on the main one only): each in its own .venv-3.X with the `test` extra only (no paddle, no Valkey), the
+# interpreter taken from pyenv ($(PYENV_ROOT)/versions/3.X.*) or python3.X on the PATH; a missing
+# one fails the run, naming it.
+BEHAVIOUR := tests/test_behaviour.py tests/test_validation.py tests/test_retry.py \
+  tests/test_library.py tests/test_async.py tests/test_ttl.py tests/test_lease.py tests/test_packing.py \
+  tests/test_wire.py tests/test_connection_urls.py tests/test_cli.py::test_module_and_help_list_every_command \
+  tests/test_cli.py::test_simulate_cli_writes_json_with_snake_case_figures tests/test_cli.py::test_bad_arguments_print_one_line_naming_the_problem
+python-for = $(or $(lastword $(sort $(wildcard $(PYENV_ROOT)/versions/$(1).*/bin/python$(1)))),$(shell command -v python$(1)))
+
+.venv-%/.installed-stamp: pyproject.toml
+	@py="$(call python-for,$*)"; \
+	if [ -z "$$py" ]; then \
+	  echo "Python $* is missing: neither $(PYENV_ROOT)/versions/$*.* nor python$* on the PATH (pyenv install $*)" >&2; \
+	  exit 1; \
+	fi; \
+	test -x .venv-$*/bin/python || $$py -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q --upgrade pip
+	.venv-$*/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+pytest-%: .venv-%/.installed-stamp servers
+	@echo "== the behaviour suite on Python $* (fakeredis and redis-server)"
+	RLS_TEST_BACKENDS=fake,real .venv-$*/bin/pytest -q -p no:cacheprovider $(BEHAVIOUR) \
+	  --deselect "tests/test_library.py::test_redis_7_0_and_valkey_8_1_load_the_library_as_it_is[valkey_8]" || \
+	  { echo "the behaviour suite failed on Python $*" >&2; exit 1; }
+
+pythons: $(addprefix pytest-,$(OTHER_PYTHONS))
+
+test: lint typecheck docs-check pytest pythons
 
 # The documentation site (mkdocs.yml, docs/) builds in a small environment of its own: MkDocs,
 # Material, mkdocstrings and the package (docs/hooks.py renders the CLI reference from it),
@@ -95,7 +128,7 @@ docs-check: docs-env
 	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict --quiet --site-dir site
 
 bench: $(STAMP) servers
-	$(BIN)/python -m redis_layer_signals bench
+	$(BIN)/python -m redis_layer_signals bench --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) $(DOCS_VENV) $(DOCS_NODE) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DOCS_VENV) $(DOCS_NODE) $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis

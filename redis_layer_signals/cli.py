@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -20,18 +21,22 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import admin
+from . import __version__, admin
 from .buffer import SignalBuffer
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import SignalBufferError
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
-from .simulate.chaos import run_with_chaos
+from .simulate.chaos import foreign_faults, run_with_chaos
 from .simulate.report import clip, table
 from .simulate.runner import preflight, require_shared
 
 EXIT_FAILED = 1
 """Checks failed, or the command could not run (bad URL, unreachable Redis, bad argument)."""
 EXIT_USAGE = 2
+"""A bad or missing argument (an operator command without a server among them)."""
+EXIT_EMPTY = 3
+"""``inspect``, ``stats`` or ``purge`` found no key of the namespace on the server: a misspelt
+``--namespace``, a purged one, or one nothing ever ran on."""
 _PARSER_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 """The base of the argument parser's own errors (typer ships its parser privately)."""
 
@@ -45,11 +50,38 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"rls {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Early layer signals buffered in Redis for PD-disaggregated serving: simulate, inspect, operate."""
+
+
 RedisUrl = Annotated[
     str, typer.Option("--redis", envvar="RLS_REDIS_URL", help="memory://, redis://, rediss://, unix://, ...")
 ]
 Namespace = Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="Namespace of the keys.")]
 JsonPath = Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON to this file.")]
+# The operator commands have no default server: memory:// would be a fresh, empty one in this
+# process, whose zeros look like a healthy idle namespace.
+OperatorUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--redis",
+        envvar="RLS_REDIS_URL",
+        show_default=False,
+        help="The server to operate on (required): redis://, rediss://, redis+cluster://, ...",
+    ),
+]
 
 # Options of the simulated deployment, shared by `simulate` and `node`; defaults are SimConfig's.
 SimMode = Annotated[Mode, typer.Option(help="redis: this library; drop: before the fix; local: a per-process dict.")]
@@ -66,6 +98,35 @@ Timeout = Annotated[float, typer.Option(min=0.0, help="Bound of the whole run.")
 
 def _buffer(url: str, namespace: str) -> SignalBuffer:
     return SignalBuffer.from_url(url, namespace=namespace)
+
+
+def _server_of(command: str, url: str | None) -> str:
+    """The explicit server of an operator command; none given is a usage error."""
+    if url is None or not url.strip():
+        _fail(
+            f"{command} needs a server: pass --redis URL or set RLS_REDIS_URL "
+            "(it has no default: memory:// would be an empty server of this process)",
+            EXIT_USAGE,
+        )
+    return url
+
+
+def _without_password(url: str) -> str:
+    """``url`` as it may be printed: its password, if any, masked."""
+    return re.sub(r"(://[^/@:]*:)[^@/]+@", r"\1***@", url)
+
+
+def _empty(buf: SignalBuffer, namespace: str) -> bool:
+    return not admin.namespace_keys(buf.client, namespace)
+
+
+def _report_empty(namespace: str) -> NoReturn:
+    err.print(
+        f"namespace {namespace!r} has no keys on this server (misspelt, purged, or never used)",
+        markup=False,
+        soft_wrap=True,
+    )
+    raise typer.Exit(EXIT_EMPTY)
 
 
 # -- the simulation ----------------------------------------------------------------------------
@@ -108,8 +169,21 @@ def simulate_command(
     ] = None,
     chaos_down_s: Annotated[float, typer.Option(min=0.1, help="How long a --chaos-outage lasts.")] = 2.0,
     chaos_retry_s: Annotated[float, typer.Option(min=0.05, help="retry_s of the buffer in --chaos-outage.")] = 0.5,
+    yes: Annotated[
+        bool,
+        typer.Option("--yes", help="Let --chaos break a server this run did not start (--redis other than memory://)."),
+    ] = False,
 ) -> None:
     """A PD deployment in miniature: proves every layer of every chunk is sent exactly once."""
+    harm = foreign_faults(redis) if chaos and chaos_outage is None else None
+    if harm is not None and not yes:
+        err.print(
+            f"refusing --chaos on {_without_password(redis)}, a server this run did not start, without --yes: "
+            f"it would run {harm}",
+            markup=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_FAILED)
     if chaos_outage is not None:  # see fastdeploy/outage.py
         outage_run(chaos_outage, requests, layers, seed, chaos_retry_s, chaos_down_s, json_path)
         return
@@ -290,16 +364,19 @@ def registrar_command(
 
 @app.command("inspect")
 def inspect_command(
-    redis: RedisUrl = DEFAULT_URL,
+    redis: OperatorUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     instance: Annotated[str | None, typer.Option(help="Only this instance.")] = None,
     rank: Annotated[int | None, typer.Option(min=0, help="Only this rank.")] = None,
     slot: Annotated[int | None, typer.Option(min=0, help="Only this slot.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
-    """Live tasks and pending signals, with their ages and remaining TTLs."""
-    with _buffer(redis, namespace) as buf:
+    """Live tasks and pending signals, with their ages and remaining TTLs (exit 3: the namespace
+    has no keys)."""
+    with _buffer(_server_of("inspect", redis), namespace) as buf:
         shot = admin.snapshot(buf, instance, rank, slot)
+        if not shot.tasks and not shot.pending and _empty(buf, namespace):
+            _report_empty(namespace)
     if as_json:
         out.print_json(json.dumps(shot.to_json()))
         return
@@ -336,23 +413,29 @@ def inspect_command(
 
 @app.command("stats")
 def stats_command(
-    redis: RedisUrl = DEFAULT_URL,
+    redis: OperatorUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until interrupted.")] = False,
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between refreshes.")] = 1.0,
     count: Annotated[int, typer.Option(min=0, help="With --watch: stop after this many refreshes (0: never).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """The namespace's counters, summed over its ranks (expired signals swept first)."""
-    with _buffer(redis, namespace) as buf:
+    """The namespace's counters, summed over its ranks (expired signals swept first; exit 3: the
+    namespace has no keys, which --watch only warns about)."""
+    with _buffer(_server_of("stats", redis), namespace) as buf:
+        counters = buf.stats()
+        if not any(counters.values()) and _empty(buf, namespace):
+            if not watch:
+                _report_empty(namespace)
+            err.print(f"namespace {namespace!r} has no keys on this server yet: watching", markup=False, soft_wrap=True)
         if as_json:
-            out.print_json(json.dumps(buf.stats()))
+            out.print_json(json.dumps(counters))
             return
         if not watch:
-            out.print(_stats_table(namespace, buf.stats()))
+            out.print(_stats_table(namespace, counters))
             return
         shown = 0
-        with Live(_stats_table(namespace, buf.stats()), console=out, auto_refresh=False) as live:
+        with Live(_stats_table(namespace, counters), console=out, auto_refresh=False) as live:
             shown += 1
             while count == 0 or shown < count:
                 time.sleep(interval)
@@ -372,22 +455,27 @@ def _stats_table(namespace: str, counters: dict[str, int]) -> Table:
 @app.command("purge")
 def purge_command(
     namespace: Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="The namespace to remove.")],
-    redis: RedisUrl = DEFAULT_URL,
+    redis: OperatorUrl = None,
     yes: Annotated[bool, typer.Option("--yes", help="Really delete.")] = False,
 ) -> None:
-    """Remove every key of one namespace (SCAN by its prefix; other namespaces untouched)."""
-    with _buffer(redis, namespace) as buf:
+    """Remove every key of one namespace (SCAN by its prefix; other namespaces untouched; exit 3:
+    it has no keys)."""
+    with _buffer(_server_of("purge", redis), namespace) as buf:
         if not yes:
             found = len(admin.namespace_keys(buf.client, namespace))
+            if not found:
+                _report_empty(namespace)
             err.print(f"refusing to purge namespace {namespace!r} ({found} keys) without --yes", markup=False)
             raise typer.Exit(EXIT_FAILED)
         removed = admin.purge(buf.client, namespace)
+        if not removed:
+            _report_empty(namespace)
     out.print(f"purged {removed} keys of namespace {namespace!r}", markup=False)
 
 
 @app.command("metrics")
 def metrics_command(
-    redis: RedisUrl = DEFAULT_URL,
+    redis: OperatorUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     port: Annotated[int, typer.Option(min=0, max=65535, help="HTTP port of /metrics.")] = 9108,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
@@ -397,7 +485,8 @@ def metrics_command(
     from .metrics import BufferMetrics
 
     metrics = BufferMetrics()
-    with SignalBuffer.from_url(redis, namespace=namespace, observer=metrics.observe) as buf:
+    url = _server_of("metrics", redis)
+    with SignalBuffer.from_url(url, namespace=namespace, observer=metrics.observe) as buf:
         try:
             buf.client.ping()
         except Exception as exc:  # keep serving: the exporter reports rls_up 0 until Redis answers
@@ -436,9 +525,13 @@ def bench_command(
     warmup: Annotated[int, typer.Option(min=0, help="Untimed calls first.")] = 200,
     processes: Annotated[int, typer.Option(min=1, help="Contending processes.")] = 4,
     duration: Annotated[float, typer.Option(min=0.1, help="Seconds per contention run.")] = 3.0,
-    out: Annotated[Path, typer.Option(help="Directory for results.md, results.json and the plot.")] = Path(
-        "benchmarks/results"
-    ),
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            show_default=False,
+            help="Directory for results.md, results.json and the plots (default: a new rls-bench-<time>).",
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of markdown.")] = False,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write the PNG (needs matplotlib).")] = True,
 ) -> None:
@@ -448,7 +541,8 @@ def bench_command(
 
     argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]
     argv += ["--layers", layers, "--layer-sizes", layer_sizes]
-    argv += ["--processes", str(processes), "--duration", str(duration), "--out", str(out)]
+    argv += ["--processes", str(processes), "--duration", str(duration)]
+    argv += [] if out is None else ["--out", str(out)]
     argv += (["--redis", redis] if redis else []) + (["--json"] if json_output else []) + ["--server", server]
     argv += [] if plot else ["--no-plot"]
     raise typer.Exit(runner.main(argv))
@@ -535,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("interrupted", 130)
     except _PARSER_ERROR as exc:
         _fail(getattr(exc, "format_message", exc.__str__)(), int(getattr(exc, "exit_code", EXIT_USAGE)))
-    except (SignalBufferError, RedisError, ValueError, OSError) as exc:
+    except (SignalBufferError, RedisError, ValueError, OSError, ModuleNotFoundError) as exc:  # an extra missing
         _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
     sys.exit(code if isinstance(code, int) else 0)
 

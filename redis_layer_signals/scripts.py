@@ -23,13 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ResponseError
 
 from .errors import SignalBufferError
+
+if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotation is only read by type checkers
+    from importlib.resources.abc import Traversable
 
 LIBRARY_NAME = "rls_v2"
 OPERATIONS = ("record", "register", "finish", "sweep")

@@ -23,11 +23,16 @@ def identifier(value: Any, field: str, error: type[_InvalidValue]) -> str:
 
 def integer(value: Any, field: str, error: type[_InvalidValue], low: int, high: int) -> int:
     """An int (bools refused) in ``[low, high)``. The plain int in range, the case of every
-    call on the hot path, is settled by the first test."""
+    call on the hot path, is settled by the first test.
+
+    An int subclass passes only if its text is its digits: keys and the Lua arguments are built
+    with ``str()``, and an ``IntEnum`` on Python 3.10 prints as ``Layer.FIRST``."""
     if type(value) is int and low <= value < high:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(field, value, f"must be an int, not {type(value).__name__}")
+    if type(value) is not int and str(value) != int.__repr__(value):
+        raise error(field, value, f"must be an int whose text is its digits, not {type(value).__name__} {str(value)!r}")
     if not low <= value < high:
         raise error(field, value, f"must be in [{low}, {high})")
     return value

@@ -5,6 +5,7 @@ started by this session; every test gets its own namespace, so nothing is flushe
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -16,6 +17,19 @@ from tests.servers import VALKEY, RedisServer
 from tests.topology import AOF_ALWAYS, ClusterTopology, SentinelTopology
 
 _counter = itertools.count()
+
+ALL_BACKENDS = ("fake", "real", "valkey", "cluster")
+BACKENDS_ENV = "RLS_TEST_BACKENDS"
+"""Comma-separated backends the behaviour suite runs on (all unless set): `make test` runs it on
+``fake,real`` on the other Pythons."""
+
+
+def _backends() -> list[str]:
+    chosen = [name.strip() for name in os.environ.get(BACKENDS_ENV, "").split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(ALL_BACKENDS))
+    if unknown:
+        raise RuntimeError(f"{BACKENDS_ENV}: unknown backends {unknown}, expected some of {ALL_BACKENDS}")
+    return chosen or list(ALL_BACKENDS)
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +54,7 @@ def namespace() -> str:
     return f"t{next(_counter)}-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=["fake", "real", "valkey", "cluster"])
+@pytest.fixture(params=_backends())
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

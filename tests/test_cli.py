@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from redis_layer_signals import CacheTask, SignalBuffer
-from tests.servers import RedisServer, free_port
+from tests.servers import RedisServer, free_port, library_functions
 
 TIMEOUT_S = 60
 
@@ -174,7 +174,7 @@ def test_metrics_keeps_serving_while_redis_is_unreachable() -> None:
     [
         (("stats", "--redis", "localhost:6379"), "url"),
         (("stats", "--redis", "gopher://x"), "gopher"),
-        (("stats", "--namespace", "bad name!"), "namespace"),
+        (("stats", "--redis", "memory://", "--namespace", "bad name!"), "namespace"),
         (("simulate", "--layers", "0"), "--layers"),
         (("simulate", "--early-share", "2"), "--early-share"),
         (("inspect", "--nope"), "--nope"),
@@ -267,3 +267,126 @@ def test_simulate_chaos_outage_reports_figures_and_passes(tmp_path: Path) -> Non
     assert figures["calls_served_locally"] > 0 and figures["entries_written_back"] > 0
     assert figures["down_s"] >= 1.2 and figures["problems"] == []
     assert "every signal counted once" in done.stdout
+
+
+OPERATOR_COMMANDS = [
+    ("inspect",),
+    ("stats",),
+    ("stats", "--watch", "--count", "1"),
+    ("purge", "--namespace", "x", "--yes"),
+    ("metrics", "--port", "0", "--duration-s", "1"),
+]
+
+
+@pytest.mark.parametrize("args", OPERATOR_COMMANDS, ids=lambda a: " ".join(a))
+def test_operator_commands_without_a_server_name_redis_and_exit_2(args: tuple[str, ...]) -> None:
+    """No default memory:// for them: its fresh, empty server looked like a healthy idle namespace."""
+    done = rls(*args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--redis" in lines[0] and "RLS_REDIS_URL" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args", [("inspect",), ("inspect", "--json"), ("stats",), ("stats", "--json"), ("purge",), ("purge", "--yes")]
+)
+def test_a_namespace_without_keys_is_reported_and_exits_3(
+    redis_server: RedisServer, namespace: str, args: tuple[str, ...]
+) -> None:
+    with redis_server.client() as client:
+        before = client.dbsize()
+        done = rls(*args, "--redis", redis_server.url, "--namespace", f"{namespace}-misspelt")
+        assert done.returncode == 3, done.stdout + done.stderr
+        assert f"'{namespace}-misspelt' has no keys" in done.stderr
+        assert done.stdout == "" and client.dbsize() == before
+
+
+def test_stats_watch_on_a_namespace_without_keys_says_so_and_watches(redis_server: RedisServer, namespace: str) -> None:
+    done = rls("stats", "--redis", redis_server.url, "--namespace", namespace, "--watch", "--count", "2")
+    assert done.returncode == 0, done.stderr
+    assert "has no keys on this server yet: watching" in done.stderr
+    assert "registered" in done.stdout
+
+
+def test_inspect_of_an_idle_namespace_with_counters_is_not_empty(redis_server: RedisServer, namespace: str) -> None:
+    """A namespace whose requests all finished keeps its counters: idle, not missing."""
+    with SignalBuffer.from_url(redis_server.url, namespace=namespace, env={}) as buf:
+        buf.register(CacheTask("p0", 0, 5, "r", need_prefill_tokens=10, num_layers=1))
+        buf.finish("p0", 0, 5, "r")
+    done = rls("inspect", "--redis", redis_server.url, "--namespace", namespace, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tasks"] == []
+
+
+OTHER_LIBRARY = "#!lua name=someone_elses\nredis.register_function('their_ping', function() return 'pong' end)"
+
+
+@pytest.fixture
+def foreign_server() -> Any:
+    """A server the run did not start, holding another team's function library and a client."""
+    server = RedisServer().start()
+    with server.client() as client:
+        client.function_load(OTHER_LIBRARY)
+        yield server, client
+    server.cleanup()
+
+
+@pytest.mark.parametrize("how", ["--redis", "RLS_REDIS_URL"])
+def test_chaos_on_a_server_the_run_did_not_start_refuses_without_yes_and_flushes_nothing(
+    foreign_server: Any, how: str
+) -> None:
+    server, client = foreign_server
+    client_id = client.client_id()
+    args = ("simulate", "--chaos", "--requests", "4")
+    done = rls(*args, "--redis", server.url) if how == "--redis" else rls(*args, env={"RLS_REDIS_URL": server.url})
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    for named in ("refusing --chaos", server.url, "--yes", "FUNCTION FLUSH", "CLIENT KILL"):
+        assert named in lines[0], (named, lines[0])
+    assert library_functions(client, "someone_elses") == {"their_ping"}
+    assert [entry[1] for entry in client.function_list()] == [b"someone_elses"]  # ours was not loaded either
+    assert client.client_id() == client_id  # the same connection: nobody killed it
+    assert client.dbsize() == 0
+
+
+def test_chaos_with_yes_runs_on_a_server_the_run_did_not_start(foreign_server: Any) -> None:
+    """Past the refusal: one request per rank ends before the fault window, which the run says."""
+    server, _client = foreign_server
+    args = ("--requests", "1", "--ranks", "1", "--instances", "1", "--layers", "2")
+    done = rls("simulate", "--chaos", "--yes", *args, "--redis", server.url)
+    assert "refusing" not in done.stderr
+    assert f"chaos on {server.url}: 0 faults" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 1 and "no fault was injected" in done.stderr
+
+
+def test_bench_without_matplotlib_says_which_extra_before_it_starts(tmp_path: Path) -> None:
+    code = "import sys; sys.modules['matplotlib'] = None; from redis_layer_signals.cli import main; main(sys.argv[1:])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "bench", "--iterations", "1", "--duration", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RLS_")},
+    )
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'redis-layer-signals[bench]'" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+def test_bench_writes_to_a_new_folder_it_names_never_the_committed_results() -> None:
+    from redis_layer_signals.bench import runner
+
+    assert runner.parser().parse_args([]).out is None
+    out = runner.default_out()
+    assert out.name.startswith("rls-bench-") and not out.exists()
+    assert "benchmarks" not in out.parts
+
+
+def test_chaos_refusal_does_not_print_the_password() -> None:
+    done = rls("simulate", "--chaos", "--redis", f"redis://ops:s3cret@127.0.0.1:{free_port()}/0")
+    assert done.returncode == 1 and "refusing --chaos on redis://ops:***@127.0.0.1:" in done.stderr, done.stderr
+    assert "s3cret" not in done.stderr

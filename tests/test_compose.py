@@ -8,7 +8,9 @@ arguments, scraping it and loading the rules)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,7 @@ import pytest
 import redis
 import yaml
 
+import redis_layer_signals
 from redis_layer_signals import CacheTask, SignalBuffer
 from tests.compose_local import REDIS_PORT, ROOT, Addresses, LocalServices, profile_services, redis_args
 from tests.servers import RedisServer, free_port, require_binary, wait_until
@@ -130,6 +133,69 @@ def test_every_topology_profile_runs_the_same_registrar_and_nodes(compose: dict[
     primaries = [n for n in services if n.startswith("cluster-redis-")]
     assert len(primaries) == 6  # 3 primaries with one replica each
     assert services["cluster-create"]["environment"]["CLUSTER_REPLICAS"] == "1"
+
+
+PINNED = re.compile(r"^[\w./-]+:v?\d+\.\d+\.\d+(-[\w.-]+)?$")
+"""An image reference with a full version tag: no floating ``latest`` or ``7.0``."""
+
+
+def test_every_image_is_pinned_and_the_rls_services_share_one_built_image(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        assert PINNED.match(service["image"]), (name, service["image"])
+    rls = rls_services(compose)
+    assert {s["image"] for s in rls.values()} == {f"redis-layer-signals:{redis_layer_signals.__version__}"}
+    for name, service in rls.items():
+        assert Path(service["build"]["context"]) == ROOT, name
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile", name
+        # Installed once in the image: nothing installs at start, no source mounted over it.
+        assert "entrypoint" not in service and "volumes" not in service, name
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    (base,) = re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE)
+    assert PINNED.match(base), base
+
+
+def test_the_dockerfile_copies_what_the_package_installs_from(tmp_path: Path) -> None:
+    """The image's build sees only what deploy/Dockerfile copies (and .dockerignore lets through):
+    a wheel built from exactly that installs the package with its Lua library."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    sources = [part for line in re.findall(r"^COPY (.+)$", dockerfile, re.MULTILINE) for part in line.split()[:-1]]
+    assert "lua" in sources and "redis_layer_signals" in sources, sources
+    allowed = {line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert set(sources) <= allowed, set(sources) - allowed
+    context = tmp_path / "context"
+    for source in sources:
+        if (ROOT / source).is_dir():
+            shutil.copytree(ROOT / source, context / source, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            context.mkdir(exist_ok=True)
+            shutil.copy(ROOT / source, context / source)
+    wheel_command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run(
+        [*wheel_command, "-w", str(tmp_path), str(context)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("redis_layer_signals-*.whl")
+    assert wheel.name.startswith(f"redis_layer_signals-{redis_layer_signals.__version__}-")
+
+
+def test_cluster_create_gives_up_on_a_node_that_never_answers(
+    compose: dict[str, Any], local: LocalServices, servers: list[RedisServer]
+) -> None:
+    """Every wait of the one-shot service is bounded: a node that accepts connections but never
+    answers (stopped) fails it within CLUSTER_WAIT_S and the per-call bound, instead of hanging."""
+    server = RedisServer(args=["--cluster-enabled", "yes"], port=free_cluster_port(set()))
+    servers.append(server.start())
+    assert server.process is not None
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        nodes = " ".join([f"127.0.0.1:{server.port}"] * 3)
+        create = local.start_shell("cluster-create", CLUSTER_NODES=nodes, CLUSTER_REPLICAS="0", CLUSTER_WAIT_S="3")
+        # 5 s for the first `cluster info`, 3 s for the create, margin for a loaded machine.
+        assert create.wait(timeout=30) != 0, local.output(create)
+    finally:
+        server.process.send_signal(signal.SIGCONT)
 
 
 def test_default_profile_runs_as_local_processes_and_every_node_passes(

@@ -1,5 +1,6 @@
-"""The wheel carries the Lua library's files and works from outside the source tree after a plain
-install into a clean virtual environment (memory:// included: it is the default URL)."""
+"""The wheel carries the Lua library's files, its licence and its metadata, and works from outside
+the source tree after a plain install into a clean virtual environment (memory:// included: it
+is the default URL), without numpy (only the ``fastdeploy`` extra needs it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import sys
 import textwrap
 import venv
 import zipfile
+from email.parser import Parser
 from pathlib import Path
+
+import redis_layer_signals
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,9 +27,23 @@ SMOKE = textwrap.dedent(
     assert [s.slot for s in buf.record("p0", 0, 0, [(5, 100)]).buffered] == [5]
     rec = buf.register(CacheTask("p0", 0, 5, "req-1", need_prefill_tokens=100, num_layers=1))
     assert [s.tokens for s in rec.recovered] == [100]
+    try:
+        import numpy  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("the base install pulled numpy in")
+    try:
+        import redis_layer_signals.fastdeploy  # noqa: F401
+    except ModuleNotFoundError as error:
+        assert "pip install 'redis-layer-signals[fastdeploy]'" in str(error), error
+    else:
+        raise AssertionError("redis_layer_signals.fastdeploy imported without numpy")
     print("ok", library().name)
     """
 )
+
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 
 
 def test_wheel_ships_lua_and_works_in_a_clean_venv(tmp_path: Path, redis_server: object) -> None:
@@ -41,6 +59,24 @@ def test_wheel_ships_lua_and_works_in_a_clean_venv(tmp_path: Path, redis_server:
         assert f"redis_layer_signals/lua/{script}" in names
     assert "redis_layer_signals/py.typed" in names
 
+    # The licence, in dist-info/licenses/ (PEP 639), the same text as the repository's.
+    (licence,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert zipfile.ZipFile(wheel).read(licence) == (ROOT / "LICENSE").read_bytes()
+    assert b"Apache License" in (ROOT / "LICENSE").read_bytes()
+    meta = Parser().parsestr(zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode())
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    classifiers = meta.get_all("Classifier")
+    for version in PYTHONS:
+        assert f"Programming Language :: Python :: {version}" in classifiers
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert {"Homepage", "Documentation", "Source", "Issues", "Changelog"} <= set(urls)
+    assert all(u.startswith("https://github.com/redis-layer-signals/redis-layer-signals") for u in urls.values())
+    assert meta["Requires-Python"] == ">=3.10"
+    numpy_requirements = [r for r in meta.get_all("Requires-Dist") if r.startswith("numpy")]
+    assert numpy_requirements and all("extra ==" in r for r in numpy_requirements), numpy_requirements
+
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
@@ -54,3 +90,28 @@ def test_wheel_ships_lua_and_works_in_a_clean_venv(tmp_path: Path, redis_server:
         )
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("ok ")
+
+    rls = env_dir / "bin" / "rls"
+    version = subprocess.run([str(rls), "--version"], cwd=outside, env=clean_env, capture_output=True, text=True)
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == f"rls {meta['Version']}"
+    simulated = subprocess.run(
+        [str(rls), "simulate", "--requests", "8", "--ranks", "1"],
+        cwd=outside,
+        env=clean_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert simulated.returncode == 0, simulated.stderr
+    assert "OK" in simulated.stdout
+
+
+def test_rls_version_prints_the_package_version() -> None:
+    from typer.testing import CliRunner
+
+    from redis_layer_signals.cli import app
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"rls {redis_layer_signals.__version__}"

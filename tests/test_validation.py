@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,19 @@ from redis_layer_signals import (
     SignalBuffer,
 )
 from redis_layer_signals.config import BufferConfig
+from redis_layer_signals.keys import KeySpace
+
+
+class Layer(enum.IntEnum):
+    FIRST = 2
+
+
+class Named(int):
+    """An int whose text is not its digits, on every Python (as an IntEnum's is on 3.10)."""
+
+    def __str__(self) -> str:
+        return "two"
+
 
 HOSTILE = ["", "a{b", "a}b", "{ns}", "a/b", "a*", "a:b", "a b", "a\nb", "a,b", "a;b", "a|b", "é", "x" * 129]
 
@@ -150,3 +164,43 @@ def test_from_url_reads_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert buf.config.namespace == "from-env" and buf.config.url == "memory://env-test"
     buf.record("p0", 0, 0, [(1, 1)])
     assert any(b"{from-env/p0/0}" in key for key in buf.client.keys("*"))
+
+
+NAMED_CALLS: list[tuple[str, Callable[[SignalBuffer], object], type[Exception], str]] = [
+    ("rank", lambda b: b.record("p0", Named(2), 0, [(1, 1)]), InvalidSignal, "rank"),
+    ("layer", lambda b: b.record("p0", 0, Named(2), [(1, 1)]), InvalidSignal, "layer"),
+    ("slot", lambda b: b.record("p0", 0, 0, [(Named(2), 1)]), InvalidSignal, "entries[0].slot"),
+    ("tokens", lambda b: b.record("p0", 0, 0, [(1, Named(2))]), InvalidSignal, "entries[0].tokens"),
+    ("task slot", lambda b: b.register(good_task(slot=Named(2))), InvalidTask, "slot"),
+    ("task tokens", lambda b: b.register(good_task(need_prefill_tokens=Named(2))), InvalidTask, "need_prefill_tokens"),
+    ("finish slot", lambda b: b.finish("p0", 0, Named(2), "req-1"), InvalidTask, "slot"),
+]
+
+
+@pytest.mark.parametrize(("case", "call", "error", "field"), NAMED_CALLS, ids=[c[0] for c in NAMED_CALLS])
+def test_int_subclass_whose_text_is_not_its_digits_is_refused(
+    buf: SignalBuffer, case: str, call: Callable[[SignalBuffer], object], error: type[Exception], field: str
+) -> None:
+    before = keys_now(buf)
+    with pytest.raises(error) as err:
+        call(buf)
+    assert err.value.field == field  # type: ignore[attr-defined]
+    assert "'two'" in str(err.value)
+    assert keys_now(buf) <= before
+
+
+def test_intenum_layer_never_writes_field_named_after_the_enum(buf: SignalBuffer) -> None:
+    """Python 3.10 prints an IntEnum as ``Layer.FIRST``: it reached Lua, which wrote the pending
+    field ``2:Layer.FIRST`` and then raised. It is refused there, and written as its digits
+    where its text is its digits (3.11+)."""
+    before = keys_now(buf)
+    if str(Layer.FIRST) != "2":
+        with pytest.raises(InvalidSignal) as err:
+            buf.record("p0", Layer.FIRST, Layer.FIRST, [(Layer.FIRST, 100)])
+        assert err.value.field == "rank"
+        assert keys_now(buf) <= before
+        return
+    result = buf.record("p0", Layer.FIRST, Layer.FIRST, [(Layer.FIRST, 100)])
+    assert [(s.slot, s.layer, s.tokens) for s in result.buffered] == [(2, 2, 100)]
+    pending = buf.client.hgetall(KeySpace(buf.config.namespace).rank("p0", 2).pending)
+    assert pending and all(b"Layer" not in field and b"Layer" not in value for field, value in pending.items())

@@ -33,7 +33,23 @@ DEFAULT_PROCESSES = 4
 DEFAULT_DURATION_S = 3.0
 DEFAULT_CONTENTION_BATCHES = (1, 32)
 DEFAULT_ROUNDS = 3
-DEFAULT_OUT = Path("benchmarks/results")
+BENCH_EXTRA_HINT = "pip install 'redis-layer-signals[bench]'"
+"""How to get matplotlib, which the plots need and the base install leaves out."""
+
+
+def default_out() -> Path:
+    """A new folder per run in the working directory: a run never overwrites an earlier one, nor
+    the results committed in a checkout (``benchmarks/results``, written only when named)."""
+    return Path(time.strftime("rls-bench-%Y%m%d-%H%M%S"))
+
+
+def missing_plot_extra() -> str | None:
+    """Why the plots cannot be drawn (matplotlib missing), before a run that takes minutes."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"the plots need matplotlib: {BENCH_EXTRA_HINT} (or pass --no-plot)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -180,7 +196,9 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="seconds per contention run")
     cli.add_argument("--contention-batches", type=_ints, default=DEFAULT_CONTENTION_BATCHES)
     cli.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="contention runs per implementation")
-    cli.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for results.{json,md} and the plot")
+    cli.add_argument(
+        "--out", type=Path, default=None, help="directory for results.{json,md} and the plots (default: rls-bench-TIME)"
+    )
     cli.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown")
     cli.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     return cli
@@ -188,6 +206,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if not args.no_plot and (missing := missing_plot_extra()) is not None:
+        sys.stderr.write(f"rls bench: error: {missing}\n")
+        return 1
+    out: Path = args.out if args.out is not None else default_out()
+    sys.stderr.write(f"rls bench: writing the results to {out.resolve()}/\n")
     config = BenchConfig(
         redis_url=args.redis_url,
         server=args.server,
@@ -203,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds=args.rounds,
     )
     result = run(config)
-    write(result, args.out, plot=not args.no_plot)
+    write(result, out, plot=not args.no_plot)
     sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n" if args.json else report.markdown(result))
     return 0
 

@@ -27,7 +27,13 @@ def load_paddle() -> Any:
     with warnings.catch_warnings():
         # The CPU wheel warns about a missing C++ compiler cache it never uses here.
         warnings.filterwarnings("ignore", message=".*ccache.*")
-        import paddle
+        try:
+            import paddle
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError(
+                "the scripted GPU (simulate --chaos-outage) needs paddle: pip install 'redis-layer-signals[paddle]'",
+                name="paddle",
+            ) from error
 
     return paddle
 

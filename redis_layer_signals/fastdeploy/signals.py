@@ -17,9 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import InvalidSignal
+
+FASTDEPLOY_EXTRA_HINT = "pip install 'redis-layer-signals[fastdeploy]'"
+"""How to get numpy, which FastDeploy's tensors need and the base install leaves out."""
+
+try:
+    import numpy as np
+except ModuleNotFoundError as error:  # the base install has no numpy: only this bridge needs it
+    raise ModuleNotFoundError(
+        f"redis_layer_signals.fastdeploy needs numpy, which the base install leaves out: {FASTDEPLOY_EXTRA_HINT}",
+        name="numpy",
+    ) from error
 
 KV_SIGNAL_MAX_TASKS = 512
 """Entries one message can carry: FastDeploy's bound on engine slots per step."""

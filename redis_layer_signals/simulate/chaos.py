@@ -56,6 +56,22 @@ class ChaosReport:
     failed: list[str] = field(default_factory=list)
 
 
+def foreign_faults(url: str) -> str | None:
+    """What ``--chaos`` does to the server ``url`` names when the run did not start it (None for
+    ``memory://``, where it starts its own): said before the run, which needs ``--yes`` for it."""
+    scheme = scheme_of(url)
+    if scheme == MEMORY:
+        return None
+    if scheme == SENTINEL:
+        return "SENTINEL FAILOVER of its primary, again and again (clients of that primary reconnect)"
+    if scheme == CLUSTER:
+        return "CLUSTER FAILOVER on random replicas, again and again (their primaries are demoted)"
+    return (
+        "FUNCTION FLUSH (every function library on the server, not only this package's) and "
+        "CLIENT KILL TYPE normal (every client connection), in turn"
+    )
+
+
 def _fault_for(url: str, own: LocalRedis | None) -> Callable[[int], str]:
     """The fault to apply for ``url``: called with a counter, returns what it did."""
     if own is not None:
