@@ -181,10 +181,11 @@ class SignalBuffer(BufferBase):
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
+        deadline = started + self.config.retry_s
         try:
-            reply = self._send(operation, call)
+            reply = self._send(operation, call, deadline)
         except RETRYABLE as exc:
-            reply = self._resend(operation, partial(self._send, operation, call), started, exc)
+            reply = self._resend(operation, partial(self._send, operation, call, deadline), started, exc)
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
@@ -192,8 +193,8 @@ class SignalBuffer(BufferBase):
 
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
-    def _send(self, operation: str, call: ScriptCall) -> Any:
+    def _send(self, operation: str, call: ScriptCall, deadline: float) -> Any:
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
-            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms)
+            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms, deadline)
         return self._run_script(call)
