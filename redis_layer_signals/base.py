@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .config import BufferConfig
+from .owed import OwedFinishes
 from .protocol import Clock, Protocol
 
 Observer = Callable[[str, float], None]
@@ -64,6 +65,8 @@ class BufferBase:
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
         self._direct = self.direct_calls(client)
+        self.owed = OwedFinishes()
+        """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:

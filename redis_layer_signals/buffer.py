@@ -13,6 +13,7 @@ from redis.exceptions import ResponseError
 from . import connection, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .errors import BufferUnavailable
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
@@ -50,8 +51,16 @@ class SignalBuffer(BufferBase):
         return self._execute(self.protocol.register(task, replace))
 
     def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
-        """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it."""
-        return self._execute(self.protocol.finish(instance, rank, slot, request_id))
+        """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it.
+
+        One that raises ``BufferUnavailable`` is owed: sent again before the next call on the
+        rank (see :mod:`.owed`)."""
+        prepared = self.protocol.finish(instance, rank, slot, request_id)
+        try:
+            return self._execute(prepared)
+        except BufferUnavailable:
+            self.owed.owe(prepared)
+            raise
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -177,6 +186,8 @@ class SignalBuffer(BufferBase):
         call = prepared.call
         if call is None:
             return prepared.parse(None)
+        if self.owed:
+            self._settle(call.keys[0])
         observer = self.observer
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
@@ -190,6 +201,16 @@ class SignalBuffer(BufferBase):
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
         return result
+
+    def _settle(self, key: str) -> None:
+        """Send the finishes owed on ``key``'s rank, in order, before the call that needs them."""
+        owed = self.owed.take(key)
+        for index, finish in enumerate(owed):
+            try:
+                self._execute(finish)
+            except BufferUnavailable:
+                self.owed.give_back(key, owed[index:])
+                raise
 
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
