@@ -22,13 +22,17 @@ Making them needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); without it :class:`Hos
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
+import queue
 import re
 import shutil
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -42,6 +46,7 @@ SUBNET = "10.213.0"
 """Every address lives only inside the namespaces made here; no traffic leaves them."""
 CLONE_NEWNET = 0x40000000
 TABLE = "rls_nemesis"
+NAT_TABLE = "rls_delay"
 CHAIN = "cut"
 
 T = TypeVar("T")
@@ -115,6 +120,8 @@ class Hosts:
         self._lock = threading.Lock()
         self._rules: list[str] = []
         self._slowed: set[str] = set()
+        self._delayed: set[str] = set()
+        self._relays: list[DelayRelay] = []
         try:
             self._create()
         except BaseException:
@@ -213,10 +220,35 @@ class Hosts:
                 raise NamespacesUnavailable(f"tc netem is not available on this kernel: {done.stderr.strip()}")
             self._slowed.add(name)
 
+    def delay(self, server: str, client: str, port: int, delay_ms: int) -> None:
+        """Every packet between host ``client`` and ``server``'s ``port`` arrives ``delay_ms``
+        late, each way, for connections made from now on (established ones keep their path).
+
+        For kernels without ``sch_netem``: an ``nft`` redirect in the server's host sends the
+        client's new connections through a relay there that holds each chunk ``delay_ms``
+        before passing it on, in both directions. :meth:`heal` removes the redirect and closes
+        the relayed connections (the client reconnects, straight to the server)."""
+        relay = DelayRelay(self, server, port, delay_ms / 1000)
+        self._relays.append(relay)
+        nft = ("ip", "netns", "exec", self.namespace(server), "nft")
+        _sh(*nft, "add", "table", "ip", NAT_TABLE)
+        _sh(*nft, "add", "chain", "ip", NAT_TABLE, "pre", "{ type nat hook prerouting priority -100; }")
+        _sh(
+            *nft, "add", "rule", "ip", NAT_TABLE, "pre", "ip", "saddr", self.address(client),
+            "tcp", "dport", str(port), "redirect", "to", f":{relay.port}",
+        )  # fmt: skip
+        self._delayed.add(server)
+
     def heal(self) -> None:
         """Undo every cut, split and slowdown: the network is whole again."""
         _sh("ip", "netns", "exec", self.switch, "nft", "flush", "chain", "bridge", TABLE, CHAIN)
         self._rules.clear()
+        for server in sorted(self._delayed):
+            _sh("ip", "netns", "exec", self.namespace(server), "nft", "delete", "table", "ip", NAT_TABLE, check=False)
+        self._delayed.clear()
+        for relay in self._relays:
+            relay.close()
+        self._relays.clear()
         for name in sorted(self._slowed):
             for namespace, device in ((self.switch, name), (self.namespace(name), "eth0")):
                 _sh("ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root", check=False)
@@ -233,6 +265,8 @@ class Hosts:
         """Delete every namespace of this run (their veths and the bridge go with them). The
         processes started in them must be stopped first; a leftover one keeps only a dead
         namespace, which ``ip netns del`` still unlinks."""
+        for relay in self._relays:
+            relay.close()
         for pool in self._threads.values():
             pool.shutdown(wait=False, cancel_futures=True)
         self._threads.clear()
@@ -245,6 +279,71 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class DelayRelay:
+    """A TCP relay on ``host`` (see :meth:`Hosts.delay`): each chunk read from one side is
+    written to the other ``delay_s`` later, in order."""
+
+    def __init__(self, hosts: Hosts, host: str, target_port: int, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.target = (hosts.address(host), target_port)
+        self.closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self.listener = hosts.run(host, socket.create_server, (hosts.address(host), 0))
+        self.listener.settimeout(0.2)
+        self.port = int(self.listener.getsockname()[1])
+        hosts.thread(host, self._accept)  # its threads, and the sockets they make, stay on the host
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                inbound, _ = self.listener.accept()
+            except OSError:
+                continue
+            try:
+                outbound = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                inbound.close()
+                continue
+            outbound.settimeout(None)
+            self._sockets += [inbound, outbound]
+            for src, dst in ((inbound, outbound), (outbound, inbound)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
+
+        def write() -> None:
+            while True:
+                due, data = chunks.get()
+                if not data:
+                    break
+                time.sleep(max(0.0, due - time.monotonic()))
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    break
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=write, daemon=True).start()
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            chunks.put((time.monotonic() + self.delay_s, data))
+            if not data:
+                return
+
+    def close(self) -> None:
+        self.closed.set()
+        for sock in [self.listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the threads blocked reading it
+            with contextlib.suppress(OSError):
+                sock.close()
 
 
 class HostedRedis(RedisServer):

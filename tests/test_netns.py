@@ -98,3 +98,33 @@ def test_cleanup_removes_every_namespace_of_the_run() -> None:
     assert len(mine) == 3  # the switch and two hosts
     made.cleanup()
     assert [n for n in namespaces() if n.startswith(made.run_id + "-")] == []
+
+
+@pytest.mark.timeout(60)
+def test_delay_holds_each_chunk_both_ways_until_healed(hosts: Hosts) -> None:
+    ready = threading.Event()
+
+    def greet() -> None:
+        server = socket.create_server((hosts.address("h2"), PORT + 1))
+        ready.set()
+        while True:
+            conn = server.accept()[0]
+            conn.sendall(conn.recv(16))  # an echo: one chunk each way
+            conn.close()
+
+    hosts.thread("h2", greet)
+    assert ready.wait(5)
+
+    def round_trip() -> float:
+        started = time.monotonic()
+        with socket.create_connection((hosts.address("h2"), PORT + 1), timeout=5) as conn:
+            conn.sendall(b"ping")
+            assert conn.recv(16) == b"ping"
+        return time.monotonic() - started
+
+    assert hosts.run("h1", round_trip) < 0.3
+    hosts.delay("h2", "h1", PORT + 1, 300)
+    assert hosts.run("h1", round_trip) >= 0.6  # 300 ms there and 300 ms back
+    assert hosts.run("h3", round_trip) < 0.3  # only h1's link is slow
+    hosts.heal()
+    assert hosts.run("h1", round_trip) < 0.3
