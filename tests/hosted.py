@@ -1,10 +1,12 @@
-"""A Redis Cluster on hosts of our own (:mod:`tests.netns`): a node per host on port 6379,
-created with redis-cli from inside the first node's host, read through each node's own host."""
+"""Redis Cluster and Sentinel on hosts of our own (:mod:`tests.netns`): a server per host on port
+6379 (a sentinel on 26379), each read and configured from inside its own host, which no cut
+reaches. The Cluster is created with redis-cli from inside its first node's host."""
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import redis.crc
@@ -115,3 +117,99 @@ class HostedCluster:
     def cleanup(self) -> None:
         for node in self.nodes.values():
             node.cleanup()
+
+
+SENTINEL_PORT = 26379
+SENTINEL_SERVICE = "rls-primary"
+SENTINEL_DOWN_AFTER_MS = 1000
+SENTINEL_FAILOVER_TIMEOUT_MS = 3000
+
+
+class HostedSentinel(HostedRedis):
+    """A ``redis-server --sentinel`` on host ``host``, watching ``primary`` (quorum 2)."""
+
+    def __init__(self, hosts: Hosts, host: str, primary: HostedRedis) -> None:
+        super().__init__(hosts, host, port=SENTINEL_PORT)
+        self.config = Path(self.dir) / "sentinel.conf"
+        self.config.write_text(
+            "\n".join(
+                [
+                    f"port {self.port}",
+                    f"bind {self.address}",
+                    "protected-mode no",
+                    f"dir {self.dir}",
+                    f"logfile {self.logfile}",
+                    f"sentinel monitor {SENTINEL_SERVICE} {primary.address} {primary.port} 2",
+                    f"sentinel down-after-milliseconds {SENTINEL_SERVICE} {SENTINEL_DOWN_AFTER_MS}",
+                    f"sentinel failover-timeout {SENTINEL_SERVICE} {SENTINEL_FAILOVER_TIMEOUT_MS}",
+                    f"sentinel parallel-syncs {SENTINEL_SERVICE} 1",
+                    "",
+                ]
+            )
+        )
+
+    def command(self) -> list[str]:
+        return [*self.hosts.exec_prefix(self.host), self.binary, str(self.config), "--sentinel"]
+
+    def primary_address(self) -> str:
+        """The primary this sentinel names now."""
+        address = self.admin(lambda c: c.sentinel_get_master_addr_by_name(SENTINEL_SERVICE))[0]
+        return address.decode() if isinstance(address, bytes) else str(address)
+
+
+class HostedSentinelGroup:
+    """A primary and two replicas on ``server_hosts``, a sentinel on each of ``sentinel_hosts``."""
+
+    def __init__(
+        self, hosts: Hosts, server_hosts: Sequence[str], sentinel_hosts: Sequence[str], args: Sequence[str] = ()
+    ) -> None:
+        self.hosts = hosts
+        first, *others = server_hosts
+        self.servers = {first: HostedRedis(hosts, first, [*FAST_SYNC, *args])}
+        primary = self.servers[first]
+        for host in others:
+            self.servers[host] = HostedRedis(
+                hosts, host, [*FAST_SYNC, *args, "--replicaof", primary.address, str(primary.port)]
+            )
+        self.sentinels = {host: HostedSentinel(hosts, host, primary) for host in sentinel_hosts}
+
+    @property
+    def url(self) -> str:
+        seeds = ",".join(f"{s.address}:{s.port}" for s in self.sentinels.values())
+        return f"redis+sentinel://{seeds}/{SENTINEL_SERVICE}"
+
+    def host_of(self, address: str) -> str:
+        return next(h for h, s in self.servers.items() if s.address == address)
+
+    def start(self) -> HostedSentinelGroup:
+        for server in self.servers.values():
+            server.start()
+        wait_until(lambda: all(self.role(h)[0] == "slave" for h in list(self.servers)[1:]), 20, what="replicas synced")
+        for sentinel in self.sentinels.values():
+            sentinel.start()
+        wait_until(self.agreed, timeout=40, what="sentinels see the primary, both replicas and each other")
+        return self
+
+    def role(self, host: str) -> tuple[str, str | None]:
+        """``("master", None)``, or ``("slave", primary's host)`` with its link up."""
+        info = self.servers[host].admin(lambda c: c.info("replication"))
+        if info["role"] == "master":
+            return "master", None
+        state = "slave" if info.get("master_link_status") == "up" else "slave-down"
+        return state, self.host_of(info["master_host"])
+
+    def agreed(self, sentinel_hosts: Sequence[str] | None = None) -> bool:
+        """The sentinels (all, or those named) name one primary, which knows its two replicas."""
+        chosen = [self.sentinels[h] for h in (sentinel_hosts or self.sentinels)]
+        for sentinel in chosen:
+            state = sentinel.admin(lambda c: c.sentinel_master(SENTINEL_SERVICE))
+            if int(state["num-other-sentinels"]) < 2 or int(state["num-slaves"]) < 2:
+                return False
+            if "down" in str(state["flags"]) or "failover" in str(state["flags"]):
+                return False
+        primaries = {s.primary_address() for s in chosen}
+        return len(primaries) == 1
+
+    def cleanup(self) -> None:
+        for process in [*self.sentinels.values(), *self.servers.values()]:
+            process.cleanup()

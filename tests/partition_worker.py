@@ -12,7 +12,9 @@ time is measured: that is what the ``retry_s`` bound is about.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
+import signal
 import sys
 import threading
 import time
@@ -36,6 +38,7 @@ class Timing:
     max_operation: str = ""
     attempts: int = 0
     unavailable: int = 0
+    last_error: str = ""
 
 
 class Resending:
@@ -51,9 +54,10 @@ class Resending:
             started = time.monotonic()
             try:
                 return self.buf._execute(prepared)
-            except BufferUnavailable:
+            except BufferUnavailable as exc:
                 with self.lock:
                     self.timing.unavailable += 1
+                    self.timing.last_error = f"{exc!r} (cause {exc.__cause__!r})"
                 time.sleep(0.05)
             finally:
                 took = time.monotonic() - started
@@ -73,6 +77,7 @@ class Resending:
 
 
 def main(spec_path: str) -> None:
+    faulthandler.register(signal.SIGUSR1)  # a test that finds this process hung asks for its stacks
     spec = json.loads(Path(spec_path).read_text())
     stop = Path(spec["stop"])
     client = sync_client(spec["url"], spec["retry_s"])  # one client: its threads share the slot table

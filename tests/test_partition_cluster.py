@@ -12,25 +12,18 @@ accounting applies after the heal. Each attempt's wall time is measured against 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from redis_layer_signals import SignalBuffer
 from tests.hosted import HostedCluster, slot_of
 from tests.netns import Hosts
-from tests.partition_worker import load_logs
-from tests.race import SLOTS, Log, ended
+from tests.partition_clients import check_on, collect, figures_of, start_workers
 from tests.servers import wait_until
-from tests.test_race import assert_every_signal_accounted_once
 
 RETRY_S = 2.0
 NODE_TIMEOUT_MS = 1000
@@ -43,7 +36,6 @@ BYSTANDER_BOUND_S = 1.0
 """A call to a primary that was not cut: it never waits behind the cut primary's refresh."""
 NODE_HOSTS = ["h1", "h2", "h3", "h4", "h5", "h6"]
 CLIENT_HOSTS = ["h7", "h8"]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -72,67 +64,6 @@ def namespaces_for(cluster: HostedCluster) -> tuple[str, str, str]:
             return victim_ns, other_ns, victim
 
 
-def start_workers(hosts: Hosts, cluster: HostedCluster, tmp: Path, spaces: list[str], wait: int) -> list[Any]:
-    workers = []
-    for index, host in enumerate(CLIENT_HOSTS):
-        spec = {
-            "url": cluster.url,
-            "namespaces": spaces,
-            "threads": 2,
-            "worker_base": (index + 1) * 1000,
-            "retry_s": RETRY_S,
-            "wait_replicas": wait,
-            "wait_timeout_ms": 100,
-            "reply_ttl_s": 300,
-            "seed": 5,
-            "stop": str(tmp / "stop"),
-            "out": str(tmp / f"{host}.json"),
-        }
-        path = tmp / f"{host}-spec.json"
-        path.write_text(json.dumps(spec))
-        command = [*hosts.exec_prefix(host), sys.executable, "-m", "tests.partition_worker", str(path)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        log = (tmp / f"{host}.err").open("w")
-        workers.append((host, subprocess.Popen(command, cwd=ROOT, env=env, stderr=log), path))
-    return workers
-
-
-def collect(tmp: Path, workers: list[Any]) -> dict[str, Any]:
-    (tmp / "stop").touch()
-    merged: dict[str, Any] = {"logs": {}, "timings": {}}
-    for host, process, _ in workers:
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise AssertionError(f"the client process on {host} hung") from None
-        assert process.returncode == 0, (tmp / f"{host}.err").read_text()[-3000:]
-        out = json.loads((tmp / f"{host}.json").read_text())
-        assert out["errors"] == [], out["errors"]
-        for ns, logs in out["logs"].items():
-            merged["logs"].setdefault(ns, []).extend(load_logs(logs))
-        for ns, timing in out["timings"].items():
-            merged["timings"].setdefault(ns, []).append(timing)
-    return merged
-
-
-def shortfall(logs: list[Log], buf: SignalBuffer) -> dict[str, int]:
-    """What the counters and the buffer miss of what the clients were told (0 everywhere when
-    nothing acknowledged was lost), and what was handed out twice."""
-    recorded = [s for log in logs for s in log.recorded]
-    buffered = {s for log in logs for s in log.buffered}
-    handed_out = [s for log in logs for s in log.delivered + log.recovered + log.dropped]
-    pending = [(p.slot, p.layer, p.tokens) for slot in range(SLOTS) for p in buf.pending("p0", 0, slot)]
-    stats = buf.stats()
-    return {
-        "recorded": len(recorded),
-        "signals_lost": len(recorded) - stats.get("recorded", 0),
-        "registrations_lost": sum(log.registered for log in logs) - stats.get("registered", 0),
-        "buffered_unaccounted": len(buffered) - ended(stats) - len(pending),
-        "twice": sum(1 for n in Counter(handed_out + pending).values() if n > 1),
-    }
-
-
 def partition(
     hosts: Hosts, cluster: HostedCluster, tmp: Path, wait: int, replica_first: bool
 ) -> tuple[dict[str, Any], dict[str, float], str, str]:
@@ -140,12 +71,9 @@ def partition(
     timings, the phases' durations, and the two namespaces."""
     victim_ns, other_ns, victim = namespaces_for(cluster)
     replica = cluster.replica_of(victim)
-    workers = start_workers(hosts, cluster, tmp, [victim_ns, other_ns], wait)
+    workers = start_workers(hosts, cluster.url, CLIENT_HOSTS, tmp, [victim_ns, other_ns], wait, RETRY_S)
     phases: dict[str, float] = {}
     try:
-        for _, _, path in workers:
-            ready = Path(json.loads(path.read_text())["out"] + ".ready")
-            wait_until(ready.exists, timeout=30, what=f"the client process of {path.name} connected")
         time.sleep(1.5)  # calls under way on every primary
         if replica_first:
             hosts.cut(victim, replica)
@@ -165,33 +93,9 @@ def partition(
         phases["heal_to_rejoined_s"] = time.monotonic() - healed
         time.sleep(1.0)
     finally:
+        hosts.heal()  # also after a failure: the clients only stop once their calls get through
         result = collect(tmp, workers)
     return result, phases, victim_ns, other_ns
-
-
-def figures_of(result: dict[str, Any], ns: str) -> dict[str, Any]:
-    timings = result["timings"][ns]
-    return {
-        "max_attempt_s": round(max(t["max_s"] for t in timings), 3),
-        "slowest": max(timings, key=lambda t: t["max_s"])["max_operation"],
-        "attempts": sum(t["attempts"] for t in timings),
-        "unavailable": sum(t["unavailable"] for t in timings),
-    }
-
-
-def check_on(hosts: Hosts, cluster: HostedCluster, ns: str, logs: list[Log], exact: bool) -> dict[str, int]:
-    """The accounting, from a client host: exact (the race test's) or the measured shortfall."""
-
-    def check() -> dict[str, int]:
-        buf = SignalBuffer.from_url(cluster.url, namespace=ns, env={}, retry_s=10)
-        try:
-            if exact:
-                assert_every_signal_accounted_once(logs, buf)
-            return shortfall(logs, buf)
-        finally:
-            buf.close()
-
-    return hosts.run(CLIENT_HOSTS[0], check)
 
 
 @pytest.mark.timeout(150)
@@ -206,8 +110,8 @@ def test_cluster_primary_cut_off_until_promoted_then_healed(
     result, phases, victim_ns, other_ns = partition(hosts, cluster, tmp_path, wait, replica_first)
     near, far = figures_of(result, victim_ns), figures_of(result, other_ns)
     exact = not (wait == 0 and replica_first)
-    accounting = check_on(hosts, cluster, victim_ns, result["logs"][victim_ns], exact)
-    check_on(hosts, cluster, other_ns, result["logs"][other_ns], exact=True)
+    accounting = check_on(hosts, CLIENT_HOSTS[0], cluster.url, victim_ns, result["logs"][victim_ns], exact)
+    check_on(hosts, CLIENT_HOSTS[0], cluster.url, other_ns, result["logs"][other_ns], exact=True)
     figures = {"phases": phases, "cut_primary": near, "other_primary": far, "accounting": accounting}
     record_property("figures", figures)
     print(f"\nfigures wait_replicas={wait} replica_first={replica_first}: {json.dumps(figures)}")
