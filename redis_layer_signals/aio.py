@@ -13,7 +13,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from . import connection, eviction, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
-from .errors import ServerOutOfMemory
+from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
@@ -43,7 +43,12 @@ class AsyncSignalBuffer(BufferBase):
         return await self._execute(self.protocol.register(task, replace))
 
     async def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
-        return await self._execute(self.protocol.finish(instance, rank, slot, request_id))
+        prepared = self.protocol.finish(instance, rank, slot, request_id)
+        try:
+            return await self._execute(prepared)
+        except BufferUnavailable:
+            self.owed.owe(prepared)  # sent again before the next call on the rank (see owed.py)
+            raise
 
     async def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         keys = self.protocol.slot_keys(instance, rank, slot)
@@ -167,6 +172,8 @@ class AsyncSignalBuffer(BufferBase):
         call = prepared.call
         if call is None:
             return prepared.parse(None)
+        if self.owed:
+            await self._settle(call.keys[0])
         observer = self.observer
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
@@ -183,6 +190,16 @@ class AsyncSignalBuffer(BufferBase):
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
         return result
+
+    async def _settle(self, key: str) -> None:
+        """Send the finishes owed on ``key``'s rank first (see SignalBuffer._settle)."""
+        owed = self.owed.take(key)
+        for index, finish in enumerate(owed):
+            try:
+                await self._execute(finish)
+            except BufferUnavailable:
+                self.owed.give_back(key, owed[index:])
+                raise
 
     # -- replication option (wait_replicas): see replication.py --------------------------------
 

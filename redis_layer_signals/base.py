@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .config import BufferConfig
+from .owed import OwedFinishes
 from .protocol import Clock, Protocol
 
 Observer = Callable[[str, float], None]
@@ -105,6 +106,8 @@ class BufferBase:
         (a reconnect may reach another node): the only eviction cost a call pays is this test."""
         self.policies: dict[str, str] = {}
         """Each server's maxmemory-policy as last read (see :mod:`.eviction`)."""
+        self.owed = OwedFinishes()
+        """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:

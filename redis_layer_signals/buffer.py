@@ -13,7 +13,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from . import connection, eviction, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
-from .errors import ServerOutOfMemory
+from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .protocol import Prepared, ScriptCall
@@ -51,8 +51,16 @@ class SignalBuffer(BufferBase):
         return self._execute(self.protocol.register(task, replace))
 
     def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
-        """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it."""
-        return self._execute(self.protocol.finish(instance, rank, slot, request_id))
+        """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it.
+
+        One that raises ``BufferUnavailable`` is owed: sent again before the next call on the
+        rank (see :mod:`.owed`)."""
+        prepared = self.protocol.finish(instance, rank, slot, request_id)
+        try:
+            return self._execute(prepared)
+        except BufferUnavailable:
+            self.owed.owe(prepared)
+            raise
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -194,16 +202,19 @@ class SignalBuffer(BufferBase):
         call = prepared.call
         if call is None:
             return prepared.parse(None)
+        if self.owed:
+            self._settle(call.keys[0])
         observer = self.observer
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
+        deadline = started + self.config.retry_s
         try:
             try:
-                reply = self._send(operation, call)
+                reply = self._send(operation, call, deadline)
             except RETRYABLE as exc:
                 self._server_unchecked = True  # a reconnect may reach another node
-                reply = self._resend(operation, partial(self._send, operation, call), started, exc)
+                reply = self._resend(operation, partial(self._send, operation, call, deadline), started, exc)
         except OutOfMemoryError as exc:
             raise ServerOutOfMemory(operation, exc) from exc
         result = prepared.parse(reply)
@@ -211,12 +222,22 @@ class SignalBuffer(BufferBase):
             observer(operation, time.perf_counter() - timer)
         return result
 
+    def _settle(self, key: str) -> None:
+        """Send the finishes owed on ``key``'s rank, in order, before the call that needs them."""
+        owed = self.owed.take(key)
+        for index, finish in enumerate(owed):
+            try:
+                self._execute(finish)
+            except BufferUnavailable:
+                self.owed.give_back(key, owed[index:])
+                raise
+
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
-    def _send(self, operation: str, call: ScriptCall) -> Any:
+    def _send(self, operation: str, call: ScriptCall, deadline: float) -> Any:
         if self._server_unchecked:
             self._check_server()
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
-            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms)
+            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms, deadline)
         return self._run_script(call)

@@ -160,6 +160,13 @@ def simulate_command(
     chaos_fsync: Annotated[str, typer.Option(help="appendfsync of the --chaos Redis: always, everysec, off.")] = (
         "always"
     ),
+    chaos_fault: Annotated[
+        str,
+        typer.Option(
+            help="auto: the topology's fault; partition: cut the run's own Redis host off "
+            "(memory:// only, as root: network namespaces)."
+        ),
+    ] = "auto",
     chaos_outage: Annotated[
         str | None,
         typer.Option(
@@ -206,7 +213,7 @@ def simulate_command(
         seed=seed,
     )
     if chaos:  # --chaos: see simulate/chaos.py
-        summary, faults = run_with_chaos(config, chaos_interval_s, chaos_fsync, run_simulation)
+        summary, faults = run_with_chaos(config, chaos_interval_s, chaos_fsync, run_simulation, chaos_fault)
         out.print(f"chaos on {faults.target}: {len(faults.faults)} faults ({', '.join(sorted(set(faults.faults)))})")
         for failure in faults.failed:
             err.print(f"  chaos fault not applied: {failure}", markup=False)

@@ -7,6 +7,11 @@ The fault depends on the topology the URL names:
   AOF at ``--chaos-fsync`` (``always`` by default), SIGKILLed and restarted on its data.
   With ``always`` the checks must find nothing lost; ``everysec`` or ``off`` show what a
   weaker setting loses.
+- ``--chaos-fault partition`` (``memory://`` only, as root, on Linux): the run owns its hosts
+  too (:mod:`.hosts`). Its Redis runs on one network namespace, the ranks, the registrar and
+  the message server on another, and each fault cuts the Redis host off for ``PARTITION_S``
+  (its packets vanish, nothing answers), then heals. The cut is shorter than the buffer's
+  ``retry_s``: the calls block and then succeed, and the checks must find nothing lost.
 - ``redis+sentinel://``: ``SENTINEL FAILOVER``.
 - ``redis+cluster://``: ``CLUSTER FAILOVER`` on a random replica (the cluster needs replicas).
 - ``redis://``, ``rediss://``, ``unix://``: a server this command does not own and cannot
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +39,7 @@ from ..bench.server import LocalRedis
 from ..connection import CLUSTER, MEMORY, SENTINEL, parse_multi_host, scheme_of, sync_client
 from ..errors import InvalidConfig
 from .config import SimConfig
+from .hosts import Hosts
 from .report import Summary
 
 FSYNC_CHOICES = ("always", "everysec", "off")
@@ -40,6 +47,11 @@ ACTIVE_FROM = 0.10
 ACTIVE_UNTIL = 0.75
 """Share of the requests done between which faults are injected."""
 FAULT_TIMEOUT_S = 5.0
+FAULTS = ("auto", "partition")
+"""``auto``: the fault the URL's topology gets (above); ``partition``: cut off the run's own Redis host."""
+PARTITION_S = 1.0
+"""How long one partition fault cuts the Redis host off: below the default retry_s (3 s)."""
+REDIS_HOST, RANKS_HOST = "h1", "h2"
 
 
 def _server(fsync: str) -> LocalRedis:
@@ -72,8 +84,22 @@ def foreign_faults(url: str) -> str | None:
     )
 
 
-def _fault_for(url: str, own: LocalRedis | None) -> Callable[[int], str]:
+def _partition(hosts: Hosts) -> Callable[[int], str]:
+    def cut(_n: int) -> str:
+        hosts.isolate(REDIS_HOST)
+        try:
+            time.sleep(PARTITION_S)
+        finally:
+            hosts.heal()
+        return f"partition of the Redis host for {PARTITION_S:g} s"
+
+    return cut
+
+
+def _fault_for(url: str, own: LocalRedis | None, hosts: Hosts | None) -> Callable[[int], str]:
     """The fault to apply for ``url``: called with a counter, returns what it did."""
+    if hosts is not None:
+        return _partition(hosts)
     if own is not None:
 
         def restart(_n: int) -> str:
@@ -170,43 +196,68 @@ class _Injector:
 
 
 @contextlib.contextmanager
-def _servers(config: SimConfig, fsync: str) -> Iterator[tuple[SimConfig, LocalRedis | None]]:
-    """The buffer's server (ours when the URL is memory://) and the message server."""
+def _servers(config: SimConfig, fsync: str, fault: str) -> Iterator[tuple[SimConfig, LocalRedis | None, Hosts | None]]:
+    """The buffer's server (ours when the URL is memory://), the message server, and the hosts
+    they run on when the fault is a partition."""
     if fsync not in FSYNC_CHOICES:
         raise InvalidConfig("chaos_fsync", fsync, f"must be one of {', '.join(FSYNC_CHOICES)}")
+    if fault not in FAULTS:
+        raise InvalidConfig("chaos_fault", fault, f"must be one of {', '.join(FAULTS)}")
+    if fault == "partition" and scheme_of(config.url) != MEMORY:
+        raise InvalidConfig("chaos_fault", fault, "needs the run's own Redis (memory://): it owns the hosts then")
     started: list[LocalRedis] = []
+    hosts = Hosts([REDIS_HOST, RANKS_HOST]) if fault == "partition" else None
     try:
         own = None
         url = config.url
         if scheme_of(url) == MEMORY:
             own = _server(fsync)
             started.append(own)
-            url = own.start().url
+            if hosts is None:
+                url = own.start().url
+            else:  # bound to its host's address too, where the ranks reach it
+                address = hosts.address(REDIS_HOST)
+                own.args += ["--bind", address, "127.0.0.1", "--protected-mode", "no"]
+                hosts.run(REDIS_HOST, own.start)
+                url = f"redis://{address}:{own.port}/0"
         messages = _server("off")
         started.append(messages)
-        yield config.with_(url=url, channel_url=messages.start().url), own
+        channel_url = messages.start().url if hosts is None else hosts.run(RANKS_HOST, messages.start).url
+        yield config.with_(url=url, channel_url=channel_url), own, hosts
     finally:
         for server in started:
             server.cleanup()
+        if hosts is not None:
+            hosts.cleanup()
 
 
 Progress = Callable[[int], None]
 
 
 def run_with_chaos(
-    config: SimConfig, interval_s: float, fsync: str, run: Callable[[SimConfig, Progress], Summary]
+    config: SimConfig,
+    interval_s: float,
+    fsync: str,
+    run: Callable[[SimConfig, Progress], Summary],
+    fault: str = "auto",
 ) -> tuple[Summary, ChaosReport]:
     """Run the simulation through ``run(config, on_progress)`` while faults hit the buffer's
-    Redis every ``interval_s`` seconds on average (seeded by the run's seed)."""
+    Redis every ``interval_s`` seconds on average (seeded by the run's seed). With ``fault``
+    ``partition`` the run happens on a host apart from its Redis (see the module docstring)."""
     if not interval_s > 0:
         raise InvalidConfig("chaos_interval_s", interval_s, "must be positive")
-    with _servers(config, fsync) as (chaos_config, own):
+    with _servers(config, fsync, fault) as (chaos_config, own, hosts):
         target = "own redis-server, appendfsync " + fsync if own is not None else config.url
+        if hosts is not None:
+            target += ", on a host of its own"
         total = config.instances * config.ranks * config.requests
-        injector = _Injector(_fault_for(chaos_config.url, own), interval_s, config.seed, total)
+        injector = _Injector(_fault_for(chaos_config.url, own, hosts), interval_s, config.seed, total)
         injector.thread.start()
         try:
-            summary = run(chaos_config, injector.tick)
+            if hosts is None:
+                summary = run(chaos_config, injector.tick)
+            else:  # the ranks' processes start on the thread's host, and stay there
+                summary = hosts.run(RANKS_HOST, run, chaos_config, injector.tick)
         finally:
             injector.stop.set()
             injector.active.set()
