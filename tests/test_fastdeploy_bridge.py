@@ -4,6 +4,7 @@ returns to CacheMessagerV1, what it leaves in the buffer, and that bad input wri
 from __future__ import annotations
 
 import logging
+import queue
 from typing import Any
 
 import numpy as np
@@ -225,3 +226,31 @@ def test_hooks_serve_locally_when_redis_is_gone(caplog: pytest.LogCaptureFixture
         assert bridge.ready.get_nowait() == [(6, 128)]
         bridge.close()
         buffer.close()
+
+
+def test_bridge_follows_the_messagers_queue_attribute_when_it_is_replaced(buf: SignalBuffer) -> None:
+    """``ready`` as a callable is looked up at each put: code that replaces the messager's
+    ``cache_prefilled_engine_ids_queue`` (FastDeploy's own unit test does) keeps the bridge
+    queueing on the current queue, not on the one it was built with."""
+
+    class Messager:
+        def __init__(self) -> None:
+            self.cache_prefilled_engine_ids_queue: queue.Queue[Any] = queue.Queue()
+
+    messager = Messager()
+    bridge = Layer0Bridge(buf, "p0", 0, num_layers=LAYERS, ready=lambda: messager.cache_prefilled_engine_ids_queue)
+    first = messager.cache_prefilled_engine_ids_queue
+    bridge.on_cache_task(cache_info(slot=5))
+    assert bridge.on_kv_signal(kv(0, (5, 0, 128))) == [(5, 128)]
+    assert first.get_nowait() == [(5, 128)]
+    messager.cache_prefilled_engine_ids_queue = replaced = queue.Queue()
+    assert bridge.on_kv_signal(kv(0, (5, 128, 64))) == [(5, 192)]
+    assert replaced.get_nowait() == [(5, 192)]
+    assert first.empty()
+    assert bridge.ready is replaced
+
+
+def test_ready_that_is_neither_a_queue_nor_callable_is_refused(buf: SignalBuffer) -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        Layer0Bridge(buf, "p0", 0, num_layers=LAYERS, ready=42)  # type: ignore[arg-type]
+    assert caught.value.field == "ready"

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from .. import validation
@@ -70,13 +70,22 @@ class QueueLike(Protocol):
     def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
 
 
+ReadySource = QueueLike | Callable[[], QueueLike]
+"""The sender's queue, or a zero-argument callable returning the current one (looked up at
+each put): ``ready=lambda: self.cache_prefilled_engine_ids_queue`` follows the messager's
+attribute when code replaces the queue later."""
+
+
 class Layer0Bridge:
     """Routes ``CacheMessagerV1``'s layer-0 signals and cache tasks through a :class:`SignalBuffer`.
 
     ``rank`` is the messager's ``rank_id`` (``rank + local_data_parallel_id * nranks``), the
     same number FastDeploy reads signals with. ``ready`` is the sender's queue
-    (``cache_prefilled_engine_ids_queue``): the bridge puts every batch on it itself (a queue
-    of its own when not given). ``registers_tasks`` says that this bridge registers every task
+    (``cache_prefilled_engine_ids_queue``), or a zero-argument callable returning it, called at
+    each put (``ready=lambda: self.cache_prefilled_engine_ids_queue``: code that replaces the
+    messager's queue later, as FastDeploy's own unit test does, does not cut the bridge off):
+    the bridge puts every batch on it itself (a queue of its own when not given).
+    ``registers_tasks`` says that this bridge registers every task
     of its instance and rank, as in FastDeploy, where one process runs the signal consumer,
     the task adder and the sender: the bridge then queues a signal only for a task this process
     registered, as FastDeploy's sender requires. Pass False to the bridges of a deployment whose
@@ -92,7 +101,7 @@ class Layer0Bridge:
         block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         num_layers: int,
-        ready: QueueLike | None = None,
+        ready: ReadySource | None = None,
         registers_tasks: bool = True,
         probe_s: float = DEFAULT_PROBE_S,
     ) -> None:
@@ -105,7 +114,9 @@ class Layer0Bridge:
         self.rank = rank
         self.block_size = block_size
         self.num_layers = num_layers
-        self.ready: QueueLike = ready if ready is not None else queue.Queue()
+        if ready is not None and not hasattr(ready, "put") and not callable(ready):
+            raise InvalidConfig("ready", ready, "must be a queue or a callable returning one")
+        self._ready: ReadySource = ready if ready is not None else queue.Queue()
         self.registers_tasks = registers_tasks
         self.probe_s = float(probe_s)
         self.local = LocalState()
@@ -130,6 +141,14 @@ class Layer0Bridge:
         self._reconciler: threading.Thread | None = None
         self._replaying = threading.Lock()
         """One writer at a time: a journaled operation is replayed once."""
+
+    @property
+    def ready(self) -> QueueLike:
+        """The sender's queue as of now (a callable ``ready`` is called each time)."""
+        source = self._ready
+        if hasattr(source, "put"):
+            return source  # type: ignore[return-value]
+        return source()
 
     # -- the three hooks ------------------------------------------------------------------
 
