@@ -15,7 +15,7 @@ from .base import BufferBase
 from .counters import sum_stats
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
-from .protocol import Prepared, ScriptCall
+from .protocol import Applied, Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
 from .scripts import FUNCTIONS, LibraryMissing, function_missing, load_library
@@ -52,6 +52,11 @@ class SignalBuffer(BufferBase):
     def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
         """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it."""
         return self._execute(self.protocol.finish(instance, rank, slot, request_id))
+
+    def apply(self, prepared: Prepared[Applied]) -> Applied:
+        """Run a prepared ``apply`` (the FastDeploy bridge's writer); resent with the same
+        token within ``retry_s``."""
+        return self._execute(prepared)
 
     # -- reads -----------------------------------------------------------------------------
 

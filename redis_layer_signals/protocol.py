@@ -189,6 +189,37 @@ class _Finish(Prepared[FinishResult]):
         return finish_result(removed == "1", int(dropped), fenced == "1")
 
 
+class Applied:
+    """What ``apply`` answered: the server's time, the slots overridden, and the tasks and
+    pending signals the rank holds after it."""
+
+    __slots__ = ("now_ms", "overridden", "pending", "tasks")
+
+    def __init__(self, now_ms: int, overridden: int, tasks: int, pending: int) -> None:
+        self.now_ms = now_ms
+        self.overridden = overridden
+        self.tasks = tasks
+        self.pending = pending
+
+
+class _Apply(Prepared[Applied]):
+    __slots__ = ()
+
+    def __init__(self, call: ScriptCall) -> None:
+        self.operation = "apply"
+        self.call = call
+
+    def parse(self, reply: Any) -> Applied:
+        _status, now, payload = split_reply(reply)
+        overridden, tasks, pending = payload.split(",")
+        return Applied(now, int(overridden), int(tasks), int(pending))
+
+
+SlotState = tuple[str, str, str, str, str, str, str, str]
+"""One slot for ``apply`` (lua/apply.lua): slot, prior holder, lease, document, recovery,
+pending signal, fate counter, the value the fate ends."""
+
+
 class Protocol:
     """Validation, key selection, argument packing and reply parsing for one buffer."""
 
@@ -310,6 +341,40 @@ class Protocol:
             ],
         )
         return _Finish(call)
+
+    # -- apply (the FastDeploy bridge's writer) ----------------------------------------------
+
+    def apply(
+        self, keys: RankKeys, layer: int, counts: dict[str, int], slots: Sequence[SlotState]
+    ) -> Prepared[Applied]:
+        """Write one owner's decisions: its counters and the listed slots' state. The caller
+        (the bridge's writer) builds ``slots`` from state it validated when it decided."""
+        args = [
+            self._now(),
+            str(layer),
+            self._pending_ttl,
+            self._pending_key_ttl,
+            self._task_ttl,
+            self._task_key_ttl,
+            self._reply_ttl,
+            "".join(f"{name}={n};" for name, n in counts.items() if n > 0),
+        ]
+        for state in slots:
+            args.extend(state)
+        call = ScriptCall("apply", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())], args)
+        return _Apply(call)
+
+    def live_entry(self, deadline_ms: int, request_id: str) -> str:
+        """A live hash entry as lua/_lib.lua lays it out."""
+        return f"{deadline_ms:016d}|{request_id}"
+
+    @property
+    def pending_ttl_ms(self) -> int:
+        return int(self._pending_ttl)
+
+    @property
+    def task_ttl_ms(self) -> int:
+        return int(self._task_ttl)
 
     # -- sweep and reads -------------------------------------------------------------------
 

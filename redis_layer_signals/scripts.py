@@ -32,7 +32,7 @@ from redis.exceptions import ResponseError
 from .errors import SignalBufferError
 
 LIBRARY_NAME = "rls_v2"
-OPERATIONS = ("record", "register", "finish", "sweep")
+OPERATIONS = ("record", "register", "finish", "sweep", "apply")
 FILES = ("_lib.lua", *(f"{operation}.lua" for operation in OPERATIONS))
 FUNCTIONS = {operation: f"{LIBRARY_NAME}_{operation}" for operation in OPERATIONS}
 """The function each operation calls."""

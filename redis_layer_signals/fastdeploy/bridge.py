@@ -41,6 +41,7 @@ from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, Registe
 from .health import BridgeHealth
 from .journal import FinishOp, Operation, RecordOp, RegisterOp, entries_in, replay
 from .local import EarlySignal, LocalState
+from .owner import OwnedRank
 from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,20 @@ class Layer0Bridge:
         self.local = LocalState()
         self._pending_ttl_ms = round(buffer.config.pending_ttl_s * 1000)
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        """Wakes the writer (a decision to write) and flush (Redis caught up)."""
+        self.owned: OwnedRank | None = None
+        """This process's decisions for its rank (``registers_tasks``), which the writer copies
+        to Redis; None when Redis judges (the adder runs in another process)."""
+        self._offset_ms = 0
+        """The server's clock minus this host's, from the last reply (the decisions' time)."""
+        self._pending_since: float | None = None
+        """When the oldest decision not yet taken by the writer was made (monotonic)."""
+        self._in_flight: tuple[float, int] | None = None
+        """(oldest decision, decisions) of the batch the writer is sending."""
+        self._written = 0
+        self._resync = False
+        """Redis holds other slots than the process believes: the next batch lists them all."""
         self._gates: dict[int, Batch] = {}
         """Slots whose registration is on its way to Redis: later batches wait here."""
         self._journal: collections.deque[Operation] = collections.deque()
@@ -141,6 +156,13 @@ class Layer0Bridge:
         self._reconciler: threading.Thread | None = None
         self._replaying = threading.Lock()
         """One writer at a time: a journaled operation is replayed once."""
+        self._writer: threading.Thread | None = None
+        if registers_tasks:
+            self.owned = OwnedRank(self._pending_ttl_ms, buffer.protocol.task_ttl_ms)
+            self.local.tasks = self.owned.tasks  # one map: what the sender's queue checks
+            self._adopted = self._adopt()
+            self._writer = threading.Thread(target=self._write_loop, name="rls-writer", daemon=True)
+            self._writer.start()
 
     @property
     def ready(self) -> QueueLike:
@@ -181,6 +203,12 @@ class Layer0Bridge:
             return []
         if not entries:
             return []
+        if self.owned is not None:
+            triples = [(e[0], e[1], e[2] if len(e) > 2 else None) for e in entries]
+            with self._lock:
+                queued = self._queue(self.owned.record(triples, self._server_ms()))
+                self._decided(operation)
+            return queued
         with self._lock:
             if self._degraded_since is not None:
                 return self._record_locally(entries)
@@ -220,6 +248,8 @@ class Layer0Bridge:
             self._invalid(operation, exc)
             return []
         slot = task.slot
+        if self.owned is not None:
+            return self._register_owned(task)
         try:
             return self._register_task(task)
         finally:
@@ -247,6 +277,18 @@ class Layer0Bridge:
         with self._lock:
             return self._settle_register(task, result)
 
+    def _register_owned(self, task: CacheTask) -> Batch:
+        assert self.owned is not None
+        with self._lock:
+            taken_from, early, reason = self.owned.register(task, self._server_ms())
+            self._decided("on_cache_task")
+            if taken_from is not None:
+                self._log_takeover(task, taken_from)
+            if early is None:
+                return []
+            self._log_local_verdict(task, early, reason)
+            return self._queue([(task.slot, early.tokens)]) if reason is None else []
+
     def on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
         """In the sender, for each request it completed, before FastDeploy's lock block that
         reports it (``put_finished_req``) and deletes ``idx_cache_task_dict[current_id]``:
@@ -267,6 +309,13 @@ class Layer0Bridge:
         except InvalidTask as exc:
             self._invalid(operation, exc)
             return FinishResult(removed=False, dropped=0, fenced=False)
+        if self.owned is not None:
+            with self._lock:
+                removed, dropped, fenced = self.owned.finish(current_id, request_id, self._server_ms())
+                self._decided(operation)
+            if fenced:
+                logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
+            return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
         with self._lock:
             if self._degraded_since is not None:
                 return self._finish_locally(current_id, request_id)
@@ -297,7 +346,21 @@ class Layer0Bridge:
                 journal=len(self._journal),
                 errors=dict(self._errors),
                 suppressed=self._suppressed,
+                unwritten=self._unwritten(),
+                lag_seconds=self._lag_seconds(),
             )
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until Redis holds every decision made so far (True), or ``timeout_s`` passes
+        (False). For tests, shutdown and operators; no hook ever waits for Redis."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while self._unwritten():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+            return True
 
     def reconcile(self) -> bool:
         """Write back what was decided locally, if Redis answers; True once the bridge serves
@@ -331,10 +394,143 @@ class Layer0Bridge:
                     self._queue(handed)
 
     def close(self) -> None:
-        """Stop the background writer (what is not written back yet stays unwritten)."""
+        """Stop the background writers, once what was decided is written (waiting at most the
+        buffer's ``retry_s``, none while Redis does not answer): what is left stays unwritten."""
+        if self._writer is not None and self._degraded_since is None:
+            self.flush(self.buffer.config.retry_s)
         self._closed.set()
-        if self._reconciler is not None:
-            self._reconciler.join(5)
+        with self._wake:
+            self._wake.notify_all()
+        for thread in (self._reconciler, self._writer):
+            if thread is not None:
+                thread.join(5)
+
+    # -- the writer (registers_tasks): Redis follows the process's decisions ---------------
+
+    def _server_ms(self) -> int:
+        """Now on the server's clock: the buffer's injected clock, else this host's clock
+        corrected by the offset the last reply showed."""
+        clock = self.buffer.protocol.clock
+        if clock is not None:
+            return int(clock())
+        return int(time.time() * 1000) + self._offset_ms
+
+    def _decided(self, operation: str) -> None:
+        """Under the lock: a hook decided; wake the writer."""
+        if self._pending_since is None:
+            self._pending_since = time.monotonic()
+        if self._degraded_since is not None:
+            self._local_calls[operation] += 1
+            self._episode_calls += 1
+        self._wake.notify_all()
+
+    def _unwritten(self) -> int:
+        """Under the lock: hook decisions Redis does not hold yet."""
+        if self.owned is None:
+            return len(self._journal)
+        in_flight = max(1, self._in_flight[1]) if self._in_flight is not None else 0
+        rest = int(not self.owned.decisions and (self._resync or self.owned.unwritten()))
+        return self.owned.decisions + in_flight + rest
+
+    def _lag_seconds(self) -> float:
+        """Under the lock: the age of the oldest decision Redis does not hold yet."""
+        times = [t for t in (self._pending_since, self._in_flight[0] if self._in_flight else None) if t is not None]
+        return time.monotonic() - min(times) if times else 0.0
+
+    def _adopt(self) -> bool:
+        """What an earlier process of this rank left in Redis (see :meth:`OwnedRank.adopt`);
+        False when Redis did not answer (the writer tries again before its first write)."""
+        assert self.owned is not None
+        keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
+        client = self.buffer.client
+        try:
+            pending_raw = client.hgetall(keys.pending)
+            live_raw = client.hgetall(keys.live)
+            now = self.buffer.now_ms()
+        except Exception as exc:
+            logger.warning("%s/%d: could not read what Redis holds for this rank: %s", self.instance, self.rank, exc)
+            return False
+        pending: dict[int, str] = {}
+        suffix = f":{SIGNAL_LAYER}"
+        for field, value in pending_raw.items():
+            name, text = _text(field), _text(value)
+            if name.endswith(suffix) and name[: -len(suffix)].isdigit():
+                pending[int(name[: -len(suffix)])] = text
+        holders = {int(_text(f)): _text(v)[17:] for f, v in live_raw.items() if _text(f).isdigit()}
+        with self._lock:
+            if self.buffer.protocol.clock is None:
+                self._offset_ms = now - int(time.time() * 1000)
+            self.owned.adopt(pending, holders, self._server_ms())
+            if self.owned.unwritten() and self._pending_since is None:
+                self._pending_since = time.monotonic()
+            self._wake.notify_all()
+        return True
+
+    def _write_loop(self) -> None:
+        """Take what the process decided and not yet written, send it as one ``apply``, again
+        until Redis has it; the next batch holds what was decided meanwhile, compacted."""
+        owned = self.owned
+        assert owned is not None
+        every_slot = False
+        while True:
+            with self._wake:
+                while not self._closed.is_set() and not owned.unwritten() and not self._resync:
+                    self._wake.wait(self.probe_s)
+                    owned.expire(self._server_ms())  # the local sweep, also when the rank is idle
+                if self._closed.is_set():
+                    return
+                started = self._pending_since or time.monotonic()
+                batch = owned.take(every_slot, range(self.buffer.config.max_slots) if self._resync else range(0))
+                self._resync = False
+                self._in_flight = (started, batch.decisions)
+                self._pending_since = None
+            keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
+            prepared = self.buffer.protocol.apply(keys, SIGNAL_LAYER, batch.counts, batch.slots)
+            every_slot = False
+            while True:
+                try:
+                    if not self._adopted:
+                        self._adopted = self._adopt()
+                    applied = self.buffer.apply(prepared)
+                    break
+                except Exception as exc:
+                    with self._lock:
+                        self._degrade("writer", exc)
+                    every_slot = True  # Redis may have lost what it held: send every slot next
+                    if self._closed.wait(self.probe_s):
+                        return
+            with self._wake:
+                if self.buffer.protocol.clock is None:
+                    self._offset_ms = applied.now_ms - int(time.time() * 1000)
+                self._in_flight = None
+                owned.written()
+                self._written += batch.decisions
+                if (applied.tasks, applied.pending) != owned.believed() and not batch.everything:
+                    # Redis lost slots this batch did not list (a restart, a failover) or holds
+                    # some the process never wrote: the next batch lists every slot of the rank.
+                    self._resync = True
+                overridden = applied.overridden
+                if overridden:
+                    logger.warning(
+                        "%s/%d: %d slots in Redis did not hold what this process last wrote there "
+                        "(a restart, a failover, or a holder left by an earlier process): this "
+                        "process's state written over them, counted as overridden",
+                        self.instance,
+                        self.rank,
+                        overridden,
+                    )
+                if self._degraded_since is not None:
+                    # The episode's counters go with the next batch: exact, under its token.
+                    behind = batch.decisions + owned.decisions  # Redis missed them: written back now
+                    self._reconciled += behind
+                    self._episode_reconciled += behind
+                    seconds, calls, entries = self._end_episode()
+                    owned.counts[STATS_DEGRADED_MS] += max(1, round(seconds * 1000))
+                    owned.counts[STATS_SERVED_LOCALLY] += calls
+                    owned.counts[STATS_RECONCILED] += entries
+                    if self._pending_since is None:
+                        self._pending_since = time.monotonic()
+                self._wake.notify_all()
 
     # -- mapping ---------------------------------------------------------------------------
 
@@ -369,15 +565,18 @@ class Layer0Bridge:
         try:
             return self.buffer.register(task)
         except SlotOccupied as occupied:
-            logger.warning(
-                "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
-                task.slot,
-                self.instance,
-                self.rank,
-                occupied.holder,
-                task.request_id,
-            )
+            self._log_takeover(task, occupied.holder)
             return self.buffer.register(task, replace=True)
+
+    def _log_takeover(self, task: CacheTask, holder: str) -> None:
+        logger.warning(
+            "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
+            task.slot,
+            self.instance,
+            self.rank,
+            holder,
+            task.request_id,
+        )
 
     def _settle_record(self, result: RecordResult) -> tuple[Batch, list[CacheTask]]:
         """Under the lock: queue what Redis delivered; keep a copy of what it buffered. Returns
@@ -536,7 +735,7 @@ class Layer0Bridge:
             exc,
             exc_info=exc,
         )
-        if self._reconciler is None or not self._reconciler.is_alive():
+        if self.owned is None and (self._reconciler is None or not self._reconciler.is_alive()):
             self._reconciler = threading.Thread(target=self._reconcile_loop, name="rls-reconcile", daemon=True)
             self._reconciler.start()
 
@@ -646,6 +845,10 @@ def block_ids(task: CacheTask, field: str) -> list[int]:
     """The block ids a task's meta carries (``src_block_ids`` or ``dest_block_ids``)."""
     text = task.meta.get(field, "")
     return [int(part) for part in text.split(",")] if text else []
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _now_ms() -> int:

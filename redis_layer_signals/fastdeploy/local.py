@@ -32,6 +32,10 @@ class LocalTask:
     """Tokens of the newest layer-0 signal handed to the sender for this request (-1: none). A
     signal at or below it is already covered: queueing it again would resend its blocks, or
     reach the sender after the request finished."""
+    registered_at_ms: int = 0
+    """When the process registered it, on the server's clock (its lease runs from then)."""
+    recovery: str = ""
+    """What its registration popped, as register.lua keeps it (see :mod:`.owner`)."""
 
 
 @dataclass(frozen=True)
