@@ -37,7 +37,7 @@ from .. import validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
-from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from ..models import CacheTask, FinishResult, RegisterResult
 from .health import BridgeHealth
 from .journal import FinishOp, Operation, RecordOp, RegisterOp, entries_in, replay
 from .local import EarlySignal, LocalState
@@ -220,10 +220,7 @@ class Layer0Bridge:
                 return self._record_locally(entries)
         self._logged.discard(operation)
         with self._lock:
-            queued, repair = self._settle_record(result)
-        for task in repair:
-            self._repair(task)
-        return queued
+            return self._queue([(signal.slot, signal.tokens) for signal in result.delivered])
 
     def on_cache_task(self, cache_info: Mapping[str, Any]) -> Batch:
         """In ``_add_cache_task_thread``, once both halves are merged and the task is in
@@ -376,7 +373,6 @@ class Layer0Bridge:
                     return True
                 op = self._journal[0] if self._journal else None
             if op is None:
-                self._restore_tasks()
                 with self._lock:
                     if self._journal:
                         continue  # served something locally meanwhile: write that back too
@@ -389,9 +385,8 @@ class Layer0Bridge:
                 moved = entries_in(op)
                 self._reconciled += moved
                 self._episode_reconciled += moved
-                if not self.registers_tasks:
-                    # Nothing of these was queued here: the task or the signal was in another process.
-                    self._queue(handed)
+                # Nothing of these was queued here: the task or the signal was in another process.
+                self._queue(handed)
 
     def close(self) -> None:
         """Stop the background writers, once what was decided is written (waiting at most the
@@ -578,33 +573,6 @@ class Layer0Bridge:
             task.request_id,
         )
 
-    def _settle_record(self, result: RecordResult) -> tuple[Batch, list[CacheTask]]:
-        """Under the lock: queue what Redis delivered; keep a copy of what it buffered. Returns
-        the batch queued and the tasks of this process that Redis has lost (to register again)."""
-        deliver: Batch = []
-        repair: list[CacheTask] = []
-        for signal in result.delivered:
-            if not self.registers_tasks or signal.slot in self._gates or signal.slot in self.local.tasks:
-                deliver.append((signal.slot, signal.tokens))
-            else:
-                # Redis holds a task for this slot that this process never registered (left by
-                # an earlier process, or restored from an AOF): FastDeploy's sender knows no
-                # such task, so the signal waits here for this process's own.
-                self.local.keep_early(signal.slot, self._early(signal), counted=False)
-        for signal in result.buffered:
-            holder = self.local.tasks.get(signal.slot)
-            mine = holder is not None and signal.request_id in (None, holder.task.request_id)
-            if self.registers_tasks and holder is not None and mine and signal.slot not in self._gates:
-                if signal.tokens <= holder.queued_tokens:
-                    continue  # recorded just before the registration, which recovered it
-                # Redis lost this process's task (a restart without persistence): send now,
-                # and register the task again so the buffered copy is taken, not left behind.
-                deliver.append((signal.slot, signal.tokens))
-                repair.append(holder.task)
-            elif self.registers_tasks:
-                self.local.keep_early(signal.slot, self._early(signal), counted=False)
-        return self._queue(deliver), repair
-
     def _settle_register(self, task: CacheTask, result: RegisterResult) -> Batch:
         """Under the lock: queue the recovered batch, then what waited behind the registration."""
         for signal, reason in result.dropped:
@@ -617,32 +585,11 @@ class Layer0Bridge:
                 reason.value,
             )
         recovered = [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
-        if self.registers_tasks:
-            answered = any(s.layer == SIGNAL_LAYER for s in result.recovered) or any(
-                s.layer == SIGNAL_LAYER for s, _ in result.dropped
-            )
-            early, refusal = self.local.register(task, _now_ms())
-            if early is not None and not answered and not result.repeated:
-                # Redis no longer had the signal this process buffered (lost in a restart, or
-                # held here because Redis delivered it to a holder we never registered).
-                self._log_local_verdict(task, early, refusal)
-                if refusal is None:
-                    recovered.append((task.slot, early.tokens))
-        else:
-            self.local.early.pop(task.slot, None)
+        self.local.early.pop(task.slot, None)  # what the journal kept for it: Redis answered
         if result.repeated:
             recovered = []  # the same handoff: its batch was queued the first time
         held = self._gates.pop(task.slot, [])
         return self._queue(recovered) + self._queue(held)
-
-    def _repair(self, task: CacheTask) -> None:
-        """Register a task of this process that Redis lost; what it recovers was queued already."""
-        try:
-            self.buffer.register(task, replace=True)
-        except Exception as exc:
-            with self._lock:
-                self._degrade("on_kv_signal", exc)
-                self._journal.append(RegisterOp(task))
 
     # -- locally (under the lock) ------------------------------------------------------------
 
@@ -651,9 +598,7 @@ class Layer0Bridge:
         now = _now_ms()
         for slot, tokens, *named in entries:
             request_id = named[0] if named else None
-            holder = self.local.tasks.get(slot)
-            live = holder is not None and request_id in (None, holder.task.request_id)
-            if slot in self._gates or (self.registers_tasks and live):
+            if slot in self._gates:  # its registration is on its way from this process
                 self.local.count_delivered()
                 deliver.append((slot, tokens))
             else:
@@ -711,10 +656,6 @@ class Layer0Bridge:
             self.ready.put(batch)
         return batch
 
-    def _early(self, signal: LayerSignal) -> EarlySignal:
-        deadline = signal.recorded_at_ms + self._pending_ttl_ms
-        return EarlySignal(signal.tokens, deadline, shared=True, request_id=signal.request_id)
-
     # -- episodes --------------------------------------------------------------------------
 
     def _degrade(self, operation: str, exc: BaseException) -> None:
@@ -746,16 +687,6 @@ class Layer0Bridge:
                     return
             except Exception as exc:  # still unreachable: the next probe tries again
                 logger.debug("%s/%d: still degraded: %s", self.instance, self.rank, exc)
-
-    def _restore_tasks(self) -> None:
-        """Register again every task this process holds, in case Redis lost it (a restart
-        without persistence); a task Redis still has is a repeat that changes nothing."""
-        if not self.registers_tasks:
-            return
-        with self._lock:
-            tasks = [holder.task for holder in self.local.tasks.values()]
-        for task in tasks:
-            self.buffer.register(task, replace=True)
 
     def _end_episode(self) -> tuple[float, int, int]:
         """Under the lock, with the journal written back: serve from Redis again. Returns the

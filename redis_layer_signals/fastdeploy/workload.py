@@ -244,6 +244,8 @@ def run(
             if adder is not None:
                 inbox.put(STOP)
                 adder.join(timeout_s)
+            if not bridge.health().degraded:
+                bridge.flush(timeout_s)  # the probe's decisions too
         return Outcome(
             plans=plans,
             layers=layers,
