@@ -41,17 +41,23 @@ class SignalBuffer(BufferBase):
 
     # -- the three operations --------------------------------------------------------------
 
-    def record(self, instance: str, rank: int, layer: int, entries: Iterable[Any]) -> RecordResult:
-        """Deliver or buffer one layer's batch of ``(slot, tokens[, request_id])`` entries."""
-        return self._execute(self.protocol.record(instance, rank, layer, entries))
+    def record(
+        self, instance: str, rank: int, layer: int, entries: Iterable[Any], at_ms: int | None = None
+    ) -> RecordResult:
+        """Deliver or buffer one layer's batch of ``(slot, tokens[, request_id])`` entries.
 
-    def register(self, task: CacheTask, replace: bool = False) -> RegisterResult:
+        ``at_ms`` (all three operations): decide as of that time, on the server's clock, instead
+        of now: a replay keeps the time of the decision it replays (a signal keeps the time it
+        was first recorded, so one that expired stays expired)."""
+        return self._execute(self.protocol.record(instance, rank, layer, entries, at_ms))
+
+    def register(self, task: CacheTask, replace: bool = False, at_ms: int | None = None) -> RegisterResult:
         """Make ``task`` the holder of its slot and return the slot's early signals."""
-        return self._execute(self.protocol.register(task, replace))
+        return self._execute(self.protocol.register(task, replace, at_ms))
 
-    def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
+    def finish(self, instance: str, rank: int, slot: int, request_id: str, at_ms: int | None = None) -> FinishResult:
         """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it."""
-        return self._execute(self.protocol.finish(instance, rank, slot, request_id))
+        return self._execute(self.protocol.finish(instance, rank, slot, request_id, at_ms))
 
     def apply(self, prepared: Prepared[Applied]) -> Applied:
         """Run a prepared ``apply`` (the FastDeploy bridge's writer); resent with the same

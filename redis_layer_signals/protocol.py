@@ -236,7 +236,12 @@ class Protocol:
         self._valid: dict[tuple[str, int], RankKeys] = {}
         """(instance, rank) pairs that passed validation, keyed by exact str and int only."""
 
-    def _now(self) -> str:
+    def _now(self, at_ms: int | None = None) -> str:
+        """The time a call decides at: ``at_ms`` when given (a replay: the time of the decision it
+        replays, on the server's clock), else the injected clock, else empty (the server's TIME)."""
+        if at_ms is not None:
+            validation.integer(at_ms, "at_ms", InvalidSignal, 0, MAX_INT)
+            return str(at_ms)
         return "" if self.clock is None else str(int(self.clock()))
 
     def rank_keys(self, instance: Any, rank: Any, error: type[InvalidSignal] | type[InvalidTask]) -> RankKeys:
@@ -256,7 +261,9 @@ class Protocol:
 
     # -- record ----------------------------------------------------------------------------
 
-    def record(self, instance: Any, rank: Any, layer: Any, entries: Iterable[Any]) -> Prepared[RecordResult]:
+    def record(
+        self, instance: Any, rank: Any, layer: Any, entries: Iterable[Any], at_ms: int | None = None
+    ) -> Prepared[RecordResult]:
         keys = self.rank_keys(instance, rank, InvalidSignal)
         validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
         batch: Sequence[tuple[Any, ...]] | None = plain_batch(entries, self.config.max_slots)
@@ -272,7 +279,7 @@ class Protocol:
             "record",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                self._now(),
+                self._now(at_ms),
                 str(layer),
                 self._pending_ttl,
                 self._pending_key_ttl,
@@ -281,6 +288,7 @@ class Protocol:
                 slots,
                 with_rids,
                 rests,
+                "" if at_ms is None else self._task_ttl,
             ],
         )
         return _Record(call, instance, rank, layer, batch, triples)
@@ -301,7 +309,7 @@ class Protocol:
             validation.meta(task.meta)
         return keys
 
-    def register(self, task: Any, replace: bool = False) -> Prepared[RegisterResult]:
+    def register(self, task: Any, replace: bool = False, at_ms: int | None = None) -> Prepared[RegisterResult]:
         keys = self.task_keys(task)
         if not isinstance(replace, bool):
             raise InvalidTask("replace", replace, "must be a bool")
@@ -309,7 +317,7 @@ class Protocol:
             "register",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                self._now(),
+                self._now(at_ms),
                 str(task.slot),
                 task.request_id,
                 str(task.need_prefill_tokens),
@@ -326,14 +334,16 @@ class Protocol:
 
     # -- finish ----------------------------------------------------------------------------
 
-    def finish(self, instance: Any, rank: Any, slot: Any, request_id: Any) -> Prepared[FinishResult]:
+    def finish(
+        self, instance: Any, rank: Any, slot: Any, request_id: Any, at_ms: int | None = None
+    ) -> Prepared[FinishResult]:
         keys = self.slot_keys(instance, rank, slot)
         validation.identifier(request_id, "request_id", InvalidTask)
         call = ScriptCall(
             "finish",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                self._now(),
+                self._now(at_ms),
                 str(slot),
                 request_id,
                 self._reply_ttl,

@@ -37,7 +37,7 @@ from .. import validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
-from ..models import CacheTask, FinishResult, RegisterResult
+from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from .health import BridgeHealth
 from .journal import FinishOp, Operation, RecordOp, RegisterOp, entries_in, replay
 from .local import EarlySignal, LocalState
@@ -220,6 +220,7 @@ class Layer0Bridge:
                 return self._record_locally(entries)
         self._logged.discard(operation)
         with self._lock:
+            self._heard_from_server(result)
             return self._queue([(signal.slot, signal.tokens) for signal in result.delivered])
 
     def on_cache_task(self, cache_info: Mapping[str, Any]) -> Batch:
@@ -322,7 +323,7 @@ class Layer0Bridge:
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
-                self._note_local(operation, FinishOp(current_id, request_id))
+                self._note_local(operation, FinishOp(current_id, request_id, self._server_ms()))
             return FinishResult(removed=removed, dropped=dropped, fenced=fenced)  # decided here
         if result.fenced:
             logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
@@ -409,6 +410,13 @@ class Layer0Bridge:
         if clock is not None:
             return int(clock())
         return int(time.time() * 1000) + self._offset_ms
+
+    def _heard_from_server(self, result: RecordResult) -> None:
+        """Under the lock: a record's signals carry the server's time: keep the clocks' offset
+        (what a journaled decision is dated with)."""
+        signals = result.delivered or result.buffered
+        if signals and self.buffer.protocol.clock is None:
+            self._offset_ms = signals[0].recorded_at_ms - int(time.time() * 1000)
 
     def _decided(self, operation: str) -> None:
         """Under the lock: a hook decided; wake the writer."""
@@ -604,7 +612,7 @@ class Layer0Bridge:
             else:
                 early = EarlySignal(tokens, now + self._pending_ttl_ms, shared=False, request_id=request_id)
                 self.local.keep_early(slot, early, counted=True)
-        self._note_local("on_kv_signal", RecordOp(tuple(entries)))
+        self._note_local("on_kv_signal", RecordOp(tuple(entries), self._server_ms()))
         return self._queue(deliver)
 
     def _register_locally(self, task: CacheTask) -> Batch:
@@ -619,7 +627,7 @@ class Layer0Bridge:
                 task.request_id,
             )
         early, reason = self.local.register(task, _now_ms())
-        self._note_local("on_cache_task", RegisterOp(task))
+        self._note_local("on_cache_task", RegisterOp(task, self._server_ms()))
         if early is None:
             return []
         self._log_local_verdict(task, early, reason)
@@ -627,7 +635,7 @@ class Layer0Bridge:
 
     def _finish_locally(self, slot: int, request_id: str) -> FinishResult:
         removed, dropped, fenced = self.local.finish(slot, request_id)
-        self._note_local("on_task_finished", FinishOp(slot, request_id))
+        self._note_local("on_task_finished", FinishOp(slot, request_id, self._server_ms()))
         return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
 
     def _note_local(self, operation: str, op: Operation) -> None:
