@@ -15,8 +15,8 @@
 -- args[8] "1" when some entry carries a request id, else "0"
 -- args[9] the rest of each entry, "tokens,request_id;" in the same order (request_id empty
 --         when unknown). Apart from the slots: a batch that is all delivered never reads it.
--- args[10] task_ttl_ms of the holders, given only by a replay (args[1] in the past); empty
---         otherwise. A holder registered (its lease deadline minus this) at or after the
+-- args[10] task_ttl_ms of the holders, given with a time of the caller's (args[1]: a replay,
+--         or a call sent late, may decide in the past); empty with the server's TIME. A holder registered (its lease deadline minus this) at or after the
 --         signals' deadline came too late for them: they are buffered as of args[1], already
 --         expired, and the next sweep counts them expired.
 --

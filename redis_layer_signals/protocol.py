@@ -275,11 +275,12 @@ class Protocol:
         if not batch:
             return _Record(None, instance, rank, layer, batch, triples)
         slots, rests = pack_entries(batch)
+        now = self._now(at_ms)
         call = ScriptCall(
             "record",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                self._now(at_ms),
+                now,
                 str(layer),
                 self._pending_ttl,
                 self._pending_key_ttl,
@@ -288,7 +289,7 @@ class Protocol:
                 slots,
                 with_rids,
                 rests,
-                "" if at_ms is None else self._task_ttl,
+                "" if now == "" else self._task_ttl,  # a time of ours may be past when it runs
             ],
         )
         return _Record(call, instance, rank, layer, batch, triples)

@@ -264,7 +264,7 @@ def test_recovered_batch_is_queued_before_a_later_batch_of_its_slot(server: Redi
             return result
 
     buffer = SlowReply.from_url(server.url, namespace=f"order-{uuid.uuid4().hex[:8]}", env={})
-    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, registers_tasks=False)
+    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, registers_tasks=False, hook_budget_ms=60_000)
     try:
         for run in range(100):
             slot = run % 500

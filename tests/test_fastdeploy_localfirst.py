@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from redis_layer_signals import CacheTask, SignalBuffer, SlotOccupied
+from redis_layer_signals import CacheTask, InvalidConfig, SignalBuffer, SlotOccupied
 from redis_layer_signals.fastdeploy import Layer0Bridge
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
 from tests.servers import RedisServer, wait_until
@@ -312,3 +312,47 @@ def test_signal_in_time_stays_in_time_whichever_process_writes_back_first(server
             bridge.close()
         for buffer in buffers:
             buffer.close()
+
+
+def test_hook_that_waits_past_its_budget_journals_and_the_call_counts_once(server: RedisServer) -> None:
+    """Where Redis judges (the adder in another process), a hook waits for its call at most
+    ``hook_budget_ms``: with Redis hung (SIGSTOP), it returns within the budget and the bridge
+    serves locally; once Redis answers, the call that was on its way is the write-back, so the
+    signal is recorded once and handed over once."""
+    ready: queue.Queue[Any] = queue.Queue()
+    namespace = f"budget-{uuid.uuid4().hex[:8]}"
+    buffers = [SignalBuffer.from_url(server.url, namespace=namespace, retry_s=5.0, env={}) for _ in range(2)]
+    consumer, adder = (
+        Layer0Bridge(b, "p0", 0, num_layers=LAYERS, ready=ready, registers_tasks=False, probe_s=0.05, hook_budget_ms=50)
+        for b in buffers
+    )
+    assert server.process is not None
+    try:
+        adder.on_cache_task(cache_info(6, "req-1", need=128))
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert consumer.on_kv_signal(kv((6, 0, 128))) == []
+            assert time.monotonic() - started < 0.05 + 0.25, "the hook waited past its budget"
+            assert consumer.health().degraded and consumer.health().journal == 1
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert ready.get(timeout=WAIT_S) == [(6, 128)]
+        wait_until(lambda: not consumer.health().degraded, WAIT_S, what="the write-back")
+        with pytest.raises(queue.Empty):
+            ready.get(timeout=0.3)
+        stats = buffers[0].stats()
+        assert (stats["recorded"], stats["delivered"]) == (1, 1)
+    finally:
+        for bridge in (consumer, adder):
+            bridge.close()
+        for buffer in buffers:
+            buffer.close()
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "50", 60_001])
+def test_bad_hook_budget_is_refused(value: Any) -> None:
+    buffer = SignalBuffer.from_url(f"memory://{uuid.uuid4().hex}", env={})
+    with pytest.raises(InvalidConfig) as caught:
+        Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, hook_budget_ms=value)
+    assert caught.value.field == "hook_budget_ms"

@@ -25,13 +25,15 @@ Three promises to FastDeploy's loops:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from .. import validation
 from ..buffer import SignalBuffer
@@ -39,7 +41,7 @@ from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from .health import BridgeHealth
-from .journal import FinishOp, Operation, RecordOp, RegisterOp, entries_in, replay
+from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, replay
 from .local import EarlySignal, LocalState
 from .owner import OwnedRank
 from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
@@ -51,6 +53,11 @@ Batch = list[tuple[int, int]]
 
 DEFAULT_BLOCK_SIZE = 64
 """FastDeploy's default KV-cache block size in tokens."""
+DEFAULT_HOOK_BUDGET_MS = 50.0
+"""Where Redis judges (the adder in another process), how long a hook waits for its call
+before it stops waiting and journals, as for an outage. A healthy Redis answers in about a
+millisecond (loopback) to a few (across hosts), so 50 ms never triggers there, and it bounds a
+stall of FastDeploy's signal consumer to about one forward step."""
 DEFAULT_PROBE_S = 0.5
 """While degraded, how often the bridge tries to reach Redis and write back what it decided."""
 META_SRC_BLOCKS = "src_block_ids"
@@ -61,6 +68,18 @@ META_PASSTHROUGH = ("transfer_protocol", "ip")
 """Scalar ``cache_info`` fields copied into the task meta when present, for operators."""
 STATS_DEGRADED_MS, STATS_SERVED_LOCALLY, STATS_RECONCILED = "degraded_ms", "served_locally", "reconciled"
 """Fields the bridge adds to its rank's ``stats`` hash when an episode ends."""
+
+
+T = TypeVar("T")
+_D = TypeVar("_D")
+
+
+class OverBudget(Exception):
+    """A hook's Redis call took longer than ``hook_budget_ms``; it may still complete."""
+
+    def __init__(self, budget_s: float, future: concurrent.futures.Future[Any]) -> None:
+        super().__init__(f"no reply within the hook budget of {budget_s * 1000:.0f} ms")
+        self.future = future
 
 
 class QueueLike(Protocol):
@@ -105,11 +124,15 @@ class Layer0Bridge:
         ready: ReadySource | None = None,
         registers_tasks: bool = True,
         probe_s: float = DEFAULT_PROBE_S,
+        hook_budget_ms: float = DEFAULT_HOOK_BUDGET_MS,
     ) -> None:
         validation.integer(block_size, "block_size", InvalidConfig, 1, MAX_INT)
         validation.integer(num_layers, "num_layers", InvalidConfig, 1, MAX_INT)
         if not isinstance(probe_s, (int, float)) or isinstance(probe_s, bool) or not 0 < probe_s <= 60:
             raise InvalidConfig("probe_s", probe_s, "must be a number of seconds in (0, 60]")
+        budget_ok = isinstance(hook_budget_ms, (int, float)) and not isinstance(hook_budget_ms, bool)
+        if not budget_ok or not 0 < hook_budget_ms <= 60_000:
+            raise InvalidConfig("hook_budget_ms", hook_budget_ms, "must be a number of milliseconds in (0, 60000]")
         self.buffer = buffer
         self.instance = instance
         self.rank = rank
@@ -120,6 +143,9 @@ class Layer0Bridge:
         self._ready: ReadySource = ready if ready is not None else queue.Queue()
         self.registers_tasks = registers_tasks
         self.probe_s = float(probe_s)
+        self.hook_budget_s = float(hook_budget_ms) / 1000
+        self._caller: concurrent.futures.ThreadPoolExecutor | None = None
+        """Where Redis judges: runs each hook's call, which the hook waits for within its budget."""
         self.local = LocalState()
         self._pending_ttl_ms = round(buffer.config.pending_ttl_s * 1000)
         self._lock = threading.Lock()
@@ -213,11 +239,11 @@ class Layer0Bridge:
             if self._degraded_since is not None:
                 return self._record_locally(entries)
         try:
-            result = self.buffer.record(self.instance, self.rank, SIGNAL_LAYER, entries)
+            result = self._within_budget(partial(self.buffer.record, self.instance, self.rank, SIGNAL_LAYER, entries))
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
-                return self._record_locally(entries)
+                return self._pending(exc, self._record_locally(entries))
         self._logged.discard(operation)
         with self._lock:
             self._heard_from_server(result)
@@ -264,12 +290,12 @@ class Layer0Bridge:
                 return self._register_locally(task)
             self._gates.setdefault(slot, [])
         try:
-            result = self._register(task)
+            result = self._within_budget(partial(self._register, task))
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
                 held = self._gates.pop(slot, [])
-                queued = self._register_locally(task)
+                queued = self._pending(exc, self._register_locally(task))
                 return queued + self._queue(held)
         self._logged.discard(operation)
         with self._lock:
@@ -319,15 +345,38 @@ class Layer0Bridge:
                 return self._finish_locally(current_id, request_id)
             removed, dropped, fenced = self.local.finish(current_id, request_id)
         try:
-            result = self.buffer.finish(self.instance, self.rank, current_id, request_id)
+            result = self._within_budget(partial(self.buffer.finish, self.instance, self.rank, current_id, request_id))
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
                 self._note_local(operation, FinishOp(current_id, request_id, self._server_ms()))
+                self._pending(exc, None)
             return FinishResult(removed=removed, dropped=dropped, fenced=fenced)  # decided here
         if result.fenced:
             logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
         return result
+
+    def _within_budget(self, call: Callable[[], T]) -> T:
+        """Run a hook's Redis call; past ``hook_budget_ms`` stop waiting (:class:`OverBudget`:
+        the hook journals, as for an outage, and the write-back takes the call's own outcome)."""
+        if self._caller is None:
+            # A worker per hook thread of FastDeploy's (consumer, adder, sender) and a spare: calls
+            # of different threads run side by side, as they did without the budget.
+            self._caller = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rls-hook")
+        future = self._caller.submit(call)
+        try:
+            return future.result(timeout=self.hook_budget_s)
+        except concurrent.futures.TimeoutError:
+            raise OverBudget(self.hook_budget_s, future) from None
+
+    def _pending(self, exc: BaseException, decided: _D) -> _D:
+        """Under the lock, after a local decision journaled its operation: when the hook stopped
+        waiting (the call may still run in Redis), journal the call instead, with that
+        operation to replay should the call fail."""
+        last = self._journal[-1] if self._journal else None
+        if isinstance(exc, OverBudget) and last is not None and not isinstance(last, PendingCall):
+            self._journal[-1] = PendingCall(exc.future, last)
+        return decided
 
     # -- state ----------------------------------------------------------------------------
 
@@ -392,6 +441,8 @@ class Layer0Bridge:
     def close(self) -> None:
         """Stop the background writers, once what was decided is written (waiting at most the
         buffer's ``retry_s``, none while Redis does not answer): what is left stays unwritten."""
+        if self._caller is not None:
+            self._caller.shutdown(wait=False)
         if self._writer is not None and self._degraded_since is None:
             self.flush(self.buffer.config.retry_s)
         self._closed.set()

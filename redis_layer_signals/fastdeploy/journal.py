@@ -13,11 +13,12 @@ and what a replay hands out is queued by the process that replays it.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from ..buffer import SignalBuffer
-from ..models import CacheTask
+from ..models import CacheTask, RecordResult, RegisterResult
 from .signals import SIGNAL_LAYER
 
 
@@ -48,13 +49,33 @@ class FinishOp:
     at_ms: int | None = None
 
 
-Operation = RecordOp | RegisterOp | FinishOp
+@dataclass(frozen=True)
+class PendingCall:
+    """A hook's call that outlived the hook's budget: it may still run in Redis. Its own
+    outcome is the write-back; ``fallback`` (what the hook decided locally) is replayed only if
+    the call failed."""
+
+    future: Future[Any]
+    fallback: RecordOp | RegisterOp | FinishOp
+
+
+Operation = RecordOp | RegisterOp | FinishOp | PendingCall
 
 
 def replay(buffer: SignalBuffer, instance: str, rank: int, op: Operation) -> list[tuple[int, int]]:
     """Run one journaled operation on Redis; returns the layer-0 entries Redis handed out
     (delivered by a record, recovered by a register), which the caller queues only when this
     process could not have handed them out itself."""
+    if isinstance(op, PendingCall):
+        try:
+            result = op.future.result()
+        except Exception:
+            return replay(buffer, instance, rank, op.fallback)
+        if isinstance(result, RecordResult):
+            return [(s.slot, s.tokens) for s in result.delivered]
+        if isinstance(result, RegisterResult) and not result.repeated:
+            return [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
+        return []
     if isinstance(op, RecordOp):
         result = buffer.record(instance, rank, SIGNAL_LAYER, list(op.entries), at_ms=op.at_ms)
         return [(s.slot, s.tokens) for s in result.delivered]
@@ -69,4 +90,6 @@ def replay(buffer: SignalBuffer, instance: str, rank: int, op: Operation) -> lis
 
 def entries_in(op: Operation) -> int:
     """How many entries writing ``op`` back moves (the reconciled-entries metric)."""
+    if isinstance(op, PendingCall):
+        return entries_in(op.fallback)
     return len(op.entries) if isinstance(op, RecordOp) else 1
