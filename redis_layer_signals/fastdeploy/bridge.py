@@ -470,13 +470,14 @@ class Layer0Bridge:
             self._offset_ms = signals[0].recorded_at_ms - int(time.time() * 1000)
 
     def _decided(self, operation: str) -> None:
-        """Under the lock: a hook decided; wake the writer."""
+        """Under the lock: a hook decided; wake the writer with the first decision it has not
+        taken yet (it takes everything decided until then in one batch)."""
         if self._pending_since is None:
             self._pending_since = time.monotonic()
+            self._wake.notify_all()
         if self._degraded_since is not None:
             self._local_calls[operation] += 1
             self._episode_calls += 1
-        self._wake.notify_all()
 
     def _unwritten(self) -> int:
         """Under the lock: hook decisions Redis does not hold yet."""

@@ -33,7 +33,7 @@ UNKNOWN = "?"
 override)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Early:
     """An early signal and its value as Redis stores it ("tokens,request_id,recorded_at,deadline")."""
 
