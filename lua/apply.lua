@@ -99,7 +99,7 @@ local function apply(keys, args)
     redis.call('ZADD', expiry_key, unpack(zadd))
     keep_alive(pending_key, expiry_key, pending_ttl, tonumber(args[4]))
   end
-  if #pending_deleted > 0 and redis.call('EXISTS', pending_key) == 1 then
+  if #pending_deleted > 0 then
     hdel(pending_key, pending_deleted)
     drop_pending_if_empty(pending_key, expiry_key)
   end
