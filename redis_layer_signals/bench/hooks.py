@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import queue
 import socket
@@ -198,8 +199,37 @@ def _bridge(url: str, retry_s: float = 0.5) -> tuple[SignalBuffer, Layer0Bridge]
     return buffer, Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS)
 
 
+class GcPauses:
+    """The interpreter's garbage collections during a case: a hook call that a collection
+    interrupts takes that long, whatever the hook does."""
+
+    def __init__(self) -> None:
+        self.longest_s = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.longest_s = max(self.longest_s, time.perf_counter() - self._started)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def _case(url: str, entries: int, steps: int, before: Callable[[], None] | None = None) -> dict[str, Any]:
     """Both sides on the same steps, interleaved in one run (dict, bridge, dict, bridge...)."""
+    with GcPauses() as pauses:
+        out = _interleaved(url, entries, steps, before)
+    out["longest_gc_us"] = pauses.longest_s * 1e6
+    return out
+
+
+def _interleaved(url: str, entries: int, steps: int, before: Callable[[], None] | None) -> dict[str, Any]:
     buffer, bridge = _bridge(url)
     if before is not None:
         before()
@@ -320,7 +350,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{condition} {max(c['largest_us'] for c in cases) / 1000:.1f} ms"
             for condition, cases in result["conditions"].items()
         )
-        + ".",
+        + ". Longest garbage collection of the interpreter during a case, per condition: "
+        + ", ".join(
+            f"{condition} {max(c['longest_gc_us'] for c in cases) / 1000:.1f} ms"
+            for condition, cases in result["conditions"].items()
+        )
+        + " (a hook call it interrupts takes that long).",
         "",
         f"Redis's cost, 8 requests in flight per forward step, each prefilled in 2 chunks "
         f"({cost['requests']} requests): {cost['calls_per_request']:.3f} function calls and "
