@@ -11,11 +11,15 @@ Three promises to FastDeploy's loops:
 
 - **The hooks never raise.** An error is logged (once per episode, with its cause), counted in
   :meth:`Layer0Bridge.health`, and the loop goes on.
-- **Never less available than FastDeploy's own fix.** When Redis cannot be reached within the
-  buffer's ``retry_s``, the bridge serves its process from :class:`~.local.LocalState` with the
-  semantics of that fix, and a background thread writes what it decided back to Redis once
-  Redis answers (:mod:`.journal`), so other processes, ``rls inspect`` and the counters are
-  right again, and nothing handled locally is handed out a second time.
+- **Never less available, nor slower, than FastDeploy's own fix.** Where the process owns its
+  rank (``registers_tasks``, FastDeploy's layout) it decides every hook call itself
+  (:class:`~.owner.OwnedRank`), with the semantics of that fix, and never waits for Redis; a
+  background writer copies the decisions to Redis in one call per batch (``rls_v2_apply``),
+  so Redis, ``rls inspect`` and the counters follow, behind by the writer's lag. Where the adder
+  runs in another process Redis judges: a hook waits for its call at most ``hook_budget_ms``,
+  and when Redis cannot answer the bridge serves its process from :class:`~.local.LocalState`
+  and writes what it decided back once Redis answers (:mod:`.journal`), each call as of the
+  time it was decided. Nothing handled locally is handed out a second time.
 - **Order per slot.** The bridge puts batches on the sender's queue itself, under a lock of its
   own that is never held across a Redis round trip: a batch a registration recovers is queued
   before any later batch of its slot, and a batch the sender already has something as far
@@ -412,7 +416,11 @@ class Layer0Bridge:
     def reconcile(self) -> bool:
         """Write back what was decided locally, if Redis answers; True once the bridge serves
         from Redis again (also when it was never degraded). The background thread calls this
-        every ``probe_s`` while degraded; calling it yourself is harmless."""
+        every ``probe_s`` while degraded; calling it yourself is harmless. Where the process
+        owns its rank the writer does this: it waits for it (see :meth:`flush`), at most the
+        buffer's ``retry_s``."""
+        if self.owned is not None:
+            return self.flush(self.buffer.config.retry_s) and not self.health().degraded
         with self._replaying:
             return self._reconcile()
 
