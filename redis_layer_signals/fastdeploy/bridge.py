@@ -63,6 +63,8 @@ before it stops waiting and journals, as for an outage. A healthy Redis answers 
 millisecond (loopback) to a few (across hosts), so 50 ms never triggers there, and it bounds a
 stall of FastDeploy's signal consumer to about one forward step."""
 DEFAULT_PROBE_S = 0.5
+OFFSET_MAX_ROUND_TRIP_S = 1.0
+"""A reply that took longer (resent after errors) says too little about the clocks' offset."""
 """While degraded, how often the bridge tries to reach Redis and write back what it decided."""
 META_SRC_BLOCKS = "src_block_ids"
 META_DEST_BLOCKS = "dest_block_ids"
@@ -509,7 +511,9 @@ class Layer0Bridge:
         try:
             pending_raw = client.hgetall(keys.pending)
             live_raw = client.hgetall(keys.live)
+            sent = time.time()
             now = self.buffer.now_ms()
+            midway = (sent + time.time()) / 2
         except Exception as exc:
             logger.warning("%s/%d: could not read what Redis holds for this rank: %s", self.instance, self.rank, exc)
             return False
@@ -522,7 +526,7 @@ class Layer0Bridge:
         holders = {int(_text(f)): _text(v)[17:] for f, v in live_raw.items() if _text(f).isdigit()}
         with self._lock:
             if self.buffer.protocol.clock is None:
-                self._offset_ms = now - int(time.time() * 1000)
+                self._offset_ms = now - int(midway * 1000)
             self.owned.adopt(pending, holders, self._server_ms())
             if self.owned.unwritten() and self._pending_since is None:
                 self._pending_since = time.monotonic()
@@ -554,7 +558,10 @@ class Layer0Bridge:
                 try:
                     if not self._adopted:
                         self._adopted = self._adopt()
+                    sent = time.time()
                     applied = self.buffer.apply(prepared)
+                    took = time.time() - sent
+                    midway = sent + took / 2  # the server read its clock about halfway
                     break
                 except Exception as exc:
                     with self._lock:
@@ -563,8 +570,8 @@ class Layer0Bridge:
                     if self._closed.wait(self.probe_s):
                         return
             with self._wake:
-                if self.buffer.protocol.clock is None:
-                    self._offset_ms = applied.now_ms - int(time.time() * 1000)
+                if self.buffer.protocol.clock is None and took < OFFSET_MAX_ROUND_TRIP_S:
+                    self._offset_ms = applied.now_ms - int(midway * 1000)
                 self._in_flight = None
                 owned.written()
                 self._written += batch.decisions
