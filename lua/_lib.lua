@@ -1,8 +1,8 @@
 #!lua name=rls_v2
 -- _lib.lua: the start of the rls_v2 Functions library, the helpers every function shares.
 --
--- redis_layer_signals/scripts.py joins this file and record.lua, register.lua, finish.lua and
--- sweep.lua, in that order, into one library, loaded once per server with FUNCTION LOAD and
+-- redis_layer_signals/scripts.py joins this file and record.lua, register.lua, finish.lua,
+-- sweep.lua and apply.lua, in that order, into one library, loaded once per server with FUNCTION LOAD and
 -- called with FCALL rls_v2_<operation>. The "v2" in both names is the library's version: a
 -- release that changes what a function does loads under a new name, so two client releases
 -- never replace each other's functions on a shared server. A release that also changes how

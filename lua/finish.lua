@@ -8,7 +8,9 @@
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)
 -- keys[5] reply    string  this call's idempotency token
--- args[1] now_ms (empty: server TIME)   args[2] slot   args[3] request_id
+-- args[1] now_ms: the time the call decides at (empty: server TIME; a replay: the time of
+--         the finish it replays)
+-- args[2] slot   args[3] request_id
 -- args[4] reply_ttl_ms                  args[5] sweep limit
 --
 -- Reply: "ok|<now ms>|<removed>,<dropped>,<fenced>" (removed and fenced are 0 or 1).

@@ -6,13 +6,19 @@
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)
 -- keys[5] reply    string  this call's idempotency token: the reply, kept reply_ttl_ms
--- args[1] now_ms (empty: server TIME)      args[2] layer
+-- args[1] now_ms: the time the call decides at (empty: server TIME); a replay passes the time
+--         the signals were first recorded at, on the server's clock
+-- args[2] layer
 -- args[3] pending_ttl_ms                   args[4] pending key TTL in ms (pending_ttl + grace)
 -- args[5] reply_ttl_ms                     args[6] sweep limit (slots per run)
 -- args[7] the entries' slots, "slot," per entry
 -- args[8] "1" when some entry carries a request id, else "0"
 -- args[9] the rest of each entry, "tokens,request_id;" in the same order (request_id empty
 --         when unknown). Apart from the slots: a batch that is all delivered never reads it.
+-- args[10] task_ttl_ms of the holders, given with a time of the caller's (args[1]: a replay,
+--         or a call sent late, may decide in the past); empty with the server's TIME. A holder registered (its lease deadline minus this) at or after the
+--         signals' deadline came too late for them: they are buffered as of args[1], already
+--         expired, and the next sweep counts them expired.
 --
 -- Reply: "ok|<now ms>|<flags>", one flag per entry in order: D delivered (the slot has a live
 -- task of this request, or of any request when the signal carries none), B buffered.
@@ -67,10 +73,13 @@ local function record(keys, args)
   local holders = redis.call('HMGET', live_key, unpack(slots))
   local next16, with_rids = ms16(now + 1), args[8] == '1'
   local rests = with_rids and split_rests(args[9]) or nil
+  -- A replay: a holder whose lease ends at or after this stamp registered after the signals'
+  -- deadline (lease deadline = registered at + task TTL), too late for them.
+  local late16 = args[10] ~= nil and args[10] ~= '' and ms16(now + tonumber(args[3]) + tonumber(args[10])) or nil
   local buffered = {}
   for i = 1, n do
     local value = holders[i]
-    local delivered = value and value > next16
+    local delivered = value and value > next16 and not (late16 and value >= late16)
     if delivered and with_rids then
       local rest = rests[i]
       delivered = sub(rest, -1) == ',' or sub(rest, find(rest, ',', 1, true) + 1) == sub(value, 18)

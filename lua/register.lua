@@ -8,7 +8,9 @@
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)
 -- keys[5] reply    string  this call's idempotency token
--- args[1] now_ms (empty: server TIME)   args[2] slot            args[3] request_id
+-- args[1] now_ms: the time the call decides at (empty: server TIME); a replay passes the
+--         time of the registration it replays, on the server's clock
+-- args[2] slot            args[3] request_id
 -- args[4] need_prefill_tokens           args[5] num_layers      args[6] task document
 -- args[7] task_ttl_ms                   args[8] reply_ttl_ms    args[9] replace ("1" or "0")
 -- args[10] sweep limit                  args[11] live key TTL in ms (task_ttl + grace)

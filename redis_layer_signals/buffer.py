@@ -16,7 +16,7 @@ from .counters import sum_stats
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
-from .protocol import Prepared, ScriptCall
+from .protocol import Applied, Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
 from .scripts import FUNCTIONS, LibraryMissing, function_missing, load_library
@@ -42,25 +42,36 @@ class SignalBuffer(BufferBase):
 
     # -- the three operations --------------------------------------------------------------
 
-    def record(self, instance: str, rank: int, layer: int, entries: Iterable[Any]) -> RecordResult:
-        """Deliver or buffer one layer's batch of ``(slot, tokens[, request_id])`` entries."""
-        return self._execute(self.protocol.record(instance, rank, layer, entries))
+    def record(
+        self, instance: str, rank: int, layer: int, entries: Iterable[Any], at_ms: int | None = None
+    ) -> RecordResult:
+        """Deliver or buffer one layer's batch of ``(slot, tokens[, request_id])`` entries.
 
-    def register(self, task: CacheTask, replace: bool = False) -> RegisterResult:
+        ``at_ms`` (all three operations): decide as of that time, on the server's clock, instead
+        of now: a replay keeps the time of the decision it replays (a signal keeps the time it
+        was first recorded, so one that expired stays expired)."""
+        return self._execute(self.protocol.record(instance, rank, layer, entries, at_ms))
+
+    def register(self, task: CacheTask, replace: bool = False, at_ms: int | None = None) -> RegisterResult:
         """Make ``task`` the holder of its slot and return the slot's early signals."""
-        return self._execute(self.protocol.register(task, replace))
+        return self._execute(self.protocol.register(task, replace, at_ms))
 
-    def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
+    def finish(self, instance: str, rank: int, slot: int, request_id: str, at_ms: int | None = None) -> FinishResult:
         """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it.
 
         One that raises ``BufferUnavailable`` is owed: sent again before the next call on the
-        rank (see :mod:`.owed`)."""
-        prepared = self.protocol.finish(instance, rank, slot, request_id)
+        rank (see ``owed``)."""
+        prepared = self.protocol.finish(instance, rank, slot, request_id, at_ms)
         try:
             return self._execute(prepared)
         except BufferUnavailable:
             self.owed.owe(prepared)
             raise
+
+    def apply(self, prepared: Prepared[Applied]) -> Applied:
+        """Run a prepared ``apply`` (the FastDeploy bridge's writer); resent with the same
+        token within ``retry_s``."""
+        return self._execute(prepared)
 
     # -- reads -----------------------------------------------------------------------------
 

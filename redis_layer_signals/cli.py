@@ -541,10 +541,23 @@ def bench_command(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of markdown.")] = False,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write the PNG (needs matplotlib).")] = True,
+    hooks: Annotated[
+        bool,
+        typer.Option(
+            "--hooks",
+            help="Instead: the FastDeploy bridge's hooks against FastDeploy's dict (healthy, 300 ms link, "
+            "outage) and Redis's CPU per request; writes hooks.md and hooks.json.",
+        ),
+    ] = False,
 ) -> None:
     """Measure record, register and finish against a local dict, naive WATCH/MULTI and a no-op
     EVALSHA floor on one server; write markdown, JSON and a plot."""
     from .bench import runner
+
+    if hooks:
+        from .bench import hooks as hook_bench
+
+        raise typer.Exit(hook_bench.main(["--out", str(out)]))
 
     argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]
     argv += ["--layers", layers, "--layer-sizes", layer_sizes]

@@ -189,6 +189,37 @@ class _Finish(Prepared[FinishResult]):
         return finish_result(removed == "1", int(dropped), fenced == "1")
 
 
+class Applied:
+    """What ``apply`` answered: the server's time, the slots overridden, and the tasks and
+    pending signals the rank holds after it."""
+
+    __slots__ = ("now_ms", "overridden", "pending", "tasks")
+
+    def __init__(self, now_ms: int, overridden: int, tasks: int, pending: int) -> None:
+        self.now_ms = now_ms
+        self.overridden = overridden
+        self.tasks = tasks
+        self.pending = pending
+
+
+class _Apply(Prepared[Applied]):
+    __slots__ = ()
+
+    def __init__(self, call: ScriptCall) -> None:
+        self.operation = "apply"
+        self.call = call
+
+    def parse(self, reply: Any) -> Applied:
+        _status, now, payload = split_reply(reply)
+        overridden, tasks, pending = payload.split(",")
+        return Applied(now, int(overridden), int(tasks), int(pending))
+
+
+SlotState = tuple[str, str, str, str, str, str, str, str]
+"""One slot for ``apply`` (lua/apply.lua): slot, prior holder, lease, document, recovery,
+pending signal, fate counter, the value the fate ends."""
+
+
 class Protocol:
     """Validation, key selection, argument packing and reply parsing for one buffer."""
 
@@ -207,7 +238,12 @@ class Protocol:
         self._valid: dict[tuple[str, int], RankKeys] = {}
         """(instance, rank) pairs that passed validation, keyed by exact str and int only."""
 
-    def _now(self) -> str:
+    def _now(self, at_ms: int | None = None) -> str:
+        """The time a call decides at: ``at_ms`` when given (a replay: the time of the decision it
+        replays, on the server's clock), else the injected clock, else empty (the server's TIME)."""
+        if at_ms is not None:
+            validation.integer(at_ms, "at_ms", InvalidSignal, 0, MAX_INT)
+            return str(at_ms)
         return "" if self.clock is None else str(int(self.clock()))
 
     def rank_keys(self, instance: Any, rank: Any, error: type[InvalidSignal] | type[InvalidTask]) -> RankKeys:
@@ -227,7 +263,9 @@ class Protocol:
 
     # -- record ----------------------------------------------------------------------------
 
-    def record(self, instance: Any, rank: Any, layer: Any, entries: Iterable[Any]) -> Prepared[RecordResult]:
+    def record(
+        self, instance: Any, rank: Any, layer: Any, entries: Iterable[Any], at_ms: int | None = None
+    ) -> Prepared[RecordResult]:
         keys = self.rank_keys(instance, rank, InvalidSignal)
         if not (type(layer) is int and 0 <= layer < self._max_layers):
             validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
@@ -241,11 +279,12 @@ class Protocol:
         if not batch:
             return _Record(None, instance, rank, layer, batch, triples)
         slots, rests = pack_entries(batch)
+        now = self._now(at_ms)
         call = ScriptCall(
             "record",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                self._now(),
+                now,
                 str(layer),
                 self._pending_ttl,
                 self._pending_key_ttl,
@@ -254,6 +293,7 @@ class Protocol:
                 slots,
                 with_rids,
                 rests,
+                "" if now == "" else self._task_ttl,  # a time of ours may be past when it runs
             ],
         )
         return _Record(call, instance, rank, layer, batch, triples)
@@ -276,7 +316,7 @@ class Protocol:
             validation.meta(task.meta)
         return keys
 
-    def register(self, task: Any, replace: bool = False) -> Prepared[RegisterResult]:
+    def register(self, task: Any, replace: bool = False, at_ms: int | None = None) -> Prepared[RegisterResult]:
         keys = self.task_keys(task)
         if not isinstance(replace, bool):
             raise InvalidTask("replace", replace, "must be a bool")
@@ -284,7 +324,7 @@ class Protocol:
             "register",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                self._now(),
+                self._now(at_ms),
                 str(task.slot),
                 task.request_id,
                 str(task.need_prefill_tokens),
@@ -301,14 +341,16 @@ class Protocol:
 
     # -- finish ----------------------------------------------------------------------------
 
-    def finish(self, instance: Any, rank: Any, slot: Any, request_id: Any) -> Prepared[FinishResult]:
+    def finish(
+        self, instance: Any, rank: Any, slot: Any, request_id: Any, at_ms: int | None = None
+    ) -> Prepared[FinishResult]:
         keys = self.slot_keys(instance, rank, slot)
         validation.identifier(request_id, "request_id", InvalidTask)
         call = ScriptCall(
             "finish",
             [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
             [
-                self._now(),
+                self._now(at_ms),
                 str(slot),
                 request_id,
                 self._reply_ttl,
@@ -316,6 +358,40 @@ class Protocol:
             ],
         )
         return _Finish(call)
+
+    # -- apply (the FastDeploy bridge's writer) ----------------------------------------------
+
+    def apply(
+        self, keys: RankKeys, layer: int, counts: dict[str, int], slots: Sequence[SlotState]
+    ) -> Prepared[Applied]:
+        """Write one owner's decisions: its counters and the listed slots' state. The caller
+        (the bridge's writer) builds ``slots`` from state it validated when it decided."""
+        args = [
+            self._now(),
+            str(layer),
+            self._pending_ttl,
+            self._pending_key_ttl,
+            self._task_ttl,
+            self._task_key_ttl,
+            self._reply_ttl,
+            "".join(f"{name}={n};" for name, n in counts.items() if n > 0),
+        ]
+        for state in slots:
+            args.extend(state)
+        call = ScriptCall("apply", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())], args)
+        return _Apply(call)
+
+    def live_entry(self, deadline_ms: int, request_id: str) -> str:
+        """A live hash entry as lua/_lib.lua lays it out."""
+        return f"{deadline_ms:016d}|{request_id}"
+
+    @property
+    def pending_ttl_ms(self) -> int:
+        return int(self._pending_ttl)
+
+    @property
+    def task_ttl_ms(self) -> int:
+        return int(self._task_ttl)
 
     # -- sweep and reads -------------------------------------------------------------------
 

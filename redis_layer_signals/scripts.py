@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotation is only re
     from importlib.resources.abc import Traversable
 
 LIBRARY_NAME = "rls_v2"
-OPERATIONS = ("record", "register", "finish", "sweep")
+OPERATIONS = ("record", "register", "finish", "sweep", "apply")
 FILES = ("_lib.lua", *(f"{operation}.lua" for operation in OPERATIONS))
 FUNCTIONS = {operation: f"{LIBRARY_NAME}_{operation}" for operation in OPERATIONS}
 """The function each operation calls."""

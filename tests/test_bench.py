@@ -289,3 +289,17 @@ def test_a_ratio_that_rounds_to_its_limit_shows_a_third_decimal() -> None:
     assert target_value(1.4083, 1.3) == "1.41"
     assert target_value(106.61, 120.0) == "106.61"
     assert target_value(None, 1.3) == "-"
+
+
+def test_hook_bench_runs_the_three_conditions_and_the_writer_batches_redis_calls() -> None:
+    """The FastDeploy hooks benchmark on a short run: both sides in every condition, and the
+    writer sends fewer function calls than requests (it batches the rank's decisions)."""
+    from redis_layer_signals.bench import hooks
+
+    result = hooks.run(entries=(1,), steps=20, delay_s=0.05)
+    assert set(result["conditions"]) == {"healthy", "50 ms link", "outage"}
+    for cases in result["conditions"].values():
+        for hook in hooks.HOOKS:
+            assert cases[0]["hooks"][hook]["dict"]["calls"] == cases[0]["hooks"][hook]["bridge"]["calls"] > 0
+    assert result["redis_cost"]["calls_per_request"] < 1
+    assert "| outage | 1 | `on_kv_signal` |" in hooks.markdown(result)

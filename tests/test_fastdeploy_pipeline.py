@@ -56,7 +56,12 @@ class Rig:
         self.gpu.prefill(request, chunk_tokens)
         assert self.messager.wait_drained(WAIT_S), "consumer did not read the signals"
 
+    def stats(self) -> dict[str, int]:
+        assert self.messager.bridge.flush(WAIT_S), "the bridge's writer did not catch up"
+        return self.buffer.stats()
+
     def pending_layer0(self, slot: int) -> list[int]:
+        assert self.messager.bridge.flush(WAIT_S), "the bridge's writer did not catch up"
         return [s.tokens for s in self.buffer.pending("p0", 0, slot) if s.layer == 0]
 
     def assert_clean(self) -> None:
@@ -124,8 +129,8 @@ def test_layer0_signal_before_cache_task_no_longer_hangs_the_request(
         if sends:
             assert finished == {"req-1"}
             assert rig.transport.block_writes() == expected_writes([request])
-            assert rig.buffer.stats()["recovered"] == 1
-            assert rig.buffer.task("p0", 0, 5) is None  # finished, slot released
+            assert rig.stats()["recovered"] == 1
+            assert rig.messager.bridge.flush(WAIT_S) and rig.buffer.task("p0", 0, 5) is None  # finished, slot released
         else:
             assert finished == set()
             assert rig.transport.writes == []
@@ -160,7 +165,7 @@ def test_early_signal_over_need_is_dropped_not_sent(rig: Rig, caplog: pytest.Log
     assert rig.messager.wait_finished(["req-1"], WAIT_S) == {"req-1"}
     assert rig.transport.block_writes() == expected_writes([request])
     assert ranges_per_layer(rig.transport, request) == [[[0, 1], [2, 3]]] * LAYERS
-    stats = rig.buffer.stats()
+    stats = rig.stats()
     assert (stats["dropped_over_need"], stats["recovered"]) == (1, 0)
     rig.assert_clean()
 
@@ -179,7 +184,7 @@ def test_finished_task_pending_signal_is_gone(rig: Rig) -> None:
     rig.prefill(second)
     assert rig.messager.wait_finished(["req-b"], WAIT_S) == {"req-b"}
     assert rig.transport.block_writes() == expected_writes([second])
-    assert rig.buffer.stats()["recovered"] == 0
+    assert rig.stats()["recovered"] == 0
     rig.assert_clean()
 
 
@@ -198,7 +203,7 @@ def test_registration_does_not_recover_another_slots_pending_signal(rig: Rig) ->
     rig.add_task(seven)
     assert rig.messager.wait_finished(["req-7"], WAIT_S) == {"req-7"}
     assert rig.transport.block_writes() == expected_writes([five, seven])
-    assert rig.buffer.stats()["recovered"] == 2
+    assert rig.stats()["recovered"] == 2
     rig.assert_clean()
 
 

@@ -11,11 +11,15 @@ Three promises to FastDeploy's loops:
 
 - **The hooks never raise.** An error is logged (once per episode, with its cause), counted in
   ``Layer0Bridge.health``, and the loop goes on.
-- **Never less available than FastDeploy's own fix.** When Redis cannot be reached within the
-  buffer's ``retry_s``, the bridge serves its process from ``local.LocalState`` with the
-  semantics of that fix, and a background thread writes what it decided back to Redis once
-  Redis answers (``journal``), so other processes, ``rls inspect`` and the counters are
-  right again, and nothing handled locally is handed out a second time.
+- **Never less available, nor slower, than FastDeploy's own fix.** Where the process owns its
+  rank (``registers_tasks``, FastDeploy's layout) it decides every hook call itself
+  (``owner.OwnedRank``), with the semantics of that fix, and never waits for Redis; a
+  background writer copies the decisions to Redis in one call per batch (``rls_v2_apply``),
+  so Redis, ``rls inspect`` and the counters follow, behind by the writer's lag. Where the adder
+  runs in another process Redis judges: a hook waits for its call at most ``hook_budget_ms``,
+  and when Redis cannot answer the bridge serves its process from ``local.LocalState``
+  and writes what it decided back once Redis answers (``journal``), each call as of the
+  time it was decided. Nothing handled locally is handed out a second time.
 - **Order per slot.** The bridge puts batches on the sender's queue itself, under a lock of its
   own that is never held across a Redis round trip: a batch a registration recovers is queued
   before any later batch of its slot, and a batch the sender already has something as far
@@ -25,22 +29,25 @@ Three promises to FastDeploy's loops:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from .. import validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
-from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from .health import BridgeHealth
-from .journal import FinishOp, Operation, RecordOp, RegisterOp, entries_in, replay
+from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, replay
 from .local import EarlySignal, LocalState
+from .owner import OwnedRank
 from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
 
 logger = logging.getLogger(__name__)
@@ -50,7 +57,14 @@ Batch = list[tuple[int, int]]
 
 DEFAULT_BLOCK_SIZE = 64
 """FastDeploy's default KV-cache block size in tokens."""
+DEFAULT_HOOK_BUDGET_MS = 50.0
+"""Where Redis judges (the adder in another process), how long a hook waits for its call
+before it stops waiting and journals, as for an outage. A healthy Redis answers in about a
+millisecond (loopback) to a few (across hosts), so 50 ms never triggers there, and it bounds a
+stall of FastDeploy's signal consumer to about one forward step."""
 DEFAULT_PROBE_S = 0.5
+OFFSET_MAX_ROUND_TRIP_S = 1.0
+"""A reply that took longer (resent after errors) says too little about the clocks' offset."""
 """While degraded, how often the bridge tries to reach Redis and write back what it decided."""
 META_SRC_BLOCKS = "src_block_ids"
 META_DEST_BLOCKS = "dest_block_ids"
@@ -62,12 +76,30 @@ STATS_DEGRADED_MS, STATS_SERVED_LOCALLY, STATS_RECONCILED = "degraded_ms", "serv
 """Fields the bridge adds to its rank's ``stats`` hash when an episode ends."""
 
 
+T = TypeVar("T")
+_D = TypeVar("_D")
+
+
+class OverBudget(Exception):
+    """A hook's Redis call took longer than ``hook_budget_ms``; it may still complete."""
+
+    def __init__(self, budget_s: float, future: concurrent.futures.Future[Any]) -> None:
+        super().__init__(f"no reply within the hook budget of {budget_s * 1000:.0f} ms")
+        self.future = future
+
+
 class QueueLike(Protocol):
     """Either a ``queue.Queue`` or a ``multiprocessing`` queue."""
 
     def put(self, item: Any) -> None: ...
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+
+ReadySource = QueueLike | Callable[[], QueueLike]
+"""The sender's queue, or a zero-argument callable returning the current one (looked up at
+each put): ``ready=lambda: self.cache_prefilled_engine_ids_queue`` follows the messager's
+attribute when code replaces the queue later."""
 
 
 class Layer0Bridge:
@@ -78,8 +110,11 @@ class Layer0Bridge:
 
     ``rank`` is the messager's ``rank_id`` (``rank + local_data_parallel_id * nranks``), the
     same number FastDeploy reads signals with. ``ready`` is the sender's queue
-    (``cache_prefilled_engine_ids_queue``): the bridge puts every batch on it itself (a queue
-    of its own when not given). ``registers_tasks`` says that this bridge registers every task
+    (``cache_prefilled_engine_ids_queue``), or a zero-argument callable returning it, called at
+    each put (``ready=lambda: self.cache_prefilled_engine_ids_queue``: code that replaces the
+    messager's queue later, as FastDeploy's own unit test does, does not cut the bridge off):
+    the bridge puts every batch on it itself (a queue of its own when not given).
+    ``registers_tasks`` says that this bridge registers every task
     of its instance and rank, as in FastDeploy, where one process runs the signal consumer,
     the task adder and the sender: the bridge then queues a signal only for a task this process
     registered, as FastDeploy's sender requires. Pass False to the bridges of a deployment whose
@@ -95,25 +130,48 @@ class Layer0Bridge:
         block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         num_layers: int,
-        ready: QueueLike | None = None,
+        ready: ReadySource | None = None,
         registers_tasks: bool = True,
         probe_s: float = DEFAULT_PROBE_S,
+        hook_budget_ms: float = DEFAULT_HOOK_BUDGET_MS,
     ) -> None:
         validation.integer(block_size, "block_size", InvalidConfig, 1, MAX_INT)
         validation.integer(num_layers, "num_layers", InvalidConfig, 1, MAX_INT)
         if not isinstance(probe_s, (int, float)) or isinstance(probe_s, bool) or not 0 < probe_s <= 60:
             raise InvalidConfig("probe_s", probe_s, "must be a number of seconds in (0, 60]")
+        budget_ok = isinstance(hook_budget_ms, (int, float)) and not isinstance(hook_budget_ms, bool)
+        if not budget_ok or not 0 < hook_budget_ms <= 60_000:
+            raise InvalidConfig("hook_budget_ms", hook_budget_ms, "must be a number of milliseconds in (0, 60000]")
         self.buffer = buffer
         self.instance = instance
         self.rank = rank
         self.block_size = block_size
         self.num_layers = num_layers
-        self.ready: QueueLike = ready if ready is not None else queue.Queue()
+        if ready is not None and not hasattr(ready, "put") and not callable(ready):
+            raise InvalidConfig("ready", ready, "must be a queue or a callable returning one")
+        self._ready: ReadySource = ready if ready is not None else queue.Queue()
         self.registers_tasks = registers_tasks
         self.probe_s = float(probe_s)
+        self.hook_budget_s = float(hook_budget_ms) / 1000
+        self._caller: concurrent.futures.ThreadPoolExecutor | None = None
+        """Where Redis judges: runs each hook's call, which the hook waits for within its budget."""
         self.local = LocalState()
         self._pending_ttl_ms = round(buffer.config.pending_ttl_s * 1000)
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        """Wakes the writer (a decision to write) and flush (Redis caught up)."""
+        self.owned: OwnedRank | None = None
+        """This process's decisions for its rank (``registers_tasks``), which the writer copies
+        to Redis; None when Redis judges (the adder runs in another process)."""
+        self._offset_ms = 0
+        """The server's clock minus this host's, from the last reply (the decisions' time)."""
+        self._pending_since: float | None = None
+        """When the oldest decision not yet taken by the writer was made (monotonic)."""
+        self._in_flight: tuple[float, int] | None = None
+        """(oldest decision, decisions) of the batch the writer is sending."""
+        self._written = 0
+        self._resync = False
+        """Redis holds other slots than the process believes: the next batch lists them all."""
         self._gates: dict[int, Batch] = {}
         """Slots whose registration is on its way to Redis: later batches wait here."""
         self._journal: collections.deque[Operation] = collections.deque()
@@ -133,6 +191,21 @@ class Layer0Bridge:
         self._reconciler: threading.Thread | None = None
         self._replaying = threading.Lock()
         """One writer at a time: a journaled operation is replayed once."""
+        self._writer: threading.Thread | None = None
+        if registers_tasks:
+            self.owned = OwnedRank(self._pending_ttl_ms, buffer.protocol.task_ttl_ms)
+            self.local.tasks = self.owned.tasks  # one map: what the sender's queue checks
+            self._adopted = self._adopt()
+            self._writer = threading.Thread(target=self._write_loop, name="rls-writer", daemon=True)
+            self._writer.start()
+
+    @property
+    def ready(self) -> QueueLike:
+        """The sender's queue as of now (a callable ``ready`` is called each time)."""
+        source = self._ready
+        if hasattr(source, "put"):
+            return source  # type: ignore[return-value]
+        return source()
 
     # -- the three hooks ------------------------------------------------------------------
 
@@ -165,21 +238,25 @@ class Layer0Bridge:
             return []
         if not entries:
             return []
+        if self.owned is not None:
+            triples = [(e[0], e[1], e[2] if len(e) > 2 else None) for e in entries]
+            with self._lock:
+                queued = self._queue(self.owned.record(triples, self._server_ms()))
+                self._decided(operation)
+            return queued
         with self._lock:
             if self._degraded_since is not None:
                 return self._record_locally(entries)
         try:
-            result = self.buffer.record(self.instance, self.rank, SIGNAL_LAYER, entries)
+            result = self._within_budget(partial(self.buffer.record, self.instance, self.rank, SIGNAL_LAYER, entries))
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
-                return self._record_locally(entries)
+                return self._pending(exc, self._record_locally(entries))
         self._logged.discard(operation)
         with self._lock:
-            queued, repair = self._settle_record(result)
-        for task in repair:
-            self._repair(task)
-        return queued
+            self._heard_from_server(result)
+            return self._queue([(signal.slot, signal.tokens) for signal in result.delivered])
 
     def on_cache_task(self, cache_info: Mapping[str, Any]) -> Batch:
         """In ``_add_cache_task_thread``, once both halves are merged and the task is in
@@ -204,6 +281,8 @@ class Layer0Bridge:
             self._invalid(operation, exc)
             return []
         slot = task.slot
+        if self.owned is not None:
+            return self._register_owned(task)
         try:
             return self._register_task(task)
         finally:
@@ -220,16 +299,28 @@ class Layer0Bridge:
                 return self._register_locally(task)
             self._gates.setdefault(slot, [])
         try:
-            result = self._register(task)
+            result = self._within_budget(partial(self._register, task))
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
                 held = self._gates.pop(slot, [])
-                queued = self._register_locally(task)
+                queued = self._pending(exc, self._register_locally(task))
                 return queued + self._queue(held)
         self._logged.discard(operation)
         with self._lock:
             return self._settle_register(task, result)
+
+    def _register_owned(self, task: CacheTask) -> Batch:
+        assert self.owned is not None
+        with self._lock:
+            taken_from, early, reason = self.owned.register(task, self._server_ms())
+            self._decided("on_cache_task")
+            if taken_from is not None:
+                self._log_takeover(task, taken_from)
+            if early is None:
+                return []
+            self._log_local_verdict(task, early, reason)
+            return self._queue([(task.slot, early.tokens)]) if reason is None else []
 
     def on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
         """In the sender, for each request it completed, before FastDeploy's lock block that
@@ -251,20 +342,50 @@ class Layer0Bridge:
         except InvalidTask as exc:
             self._invalid(operation, exc)
             return FinishResult(removed=False, dropped=0, fenced=False)
+        if self.owned is not None:
+            with self._lock:
+                removed, dropped, fenced = self.owned.finish(current_id, request_id, self._server_ms())
+                self._decided(operation)
+            if fenced:
+                logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
+            return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
         with self._lock:
             if self._degraded_since is not None:
                 return self._finish_locally(current_id, request_id)
             removed, dropped, fenced = self.local.finish(current_id, request_id)
         try:
-            result = self.buffer.finish(self.instance, self.rank, current_id, request_id)
+            result = self._within_budget(partial(self.buffer.finish, self.instance, self.rank, current_id, request_id))
         except Exception as exc:
             with self._lock:
                 self._degrade(operation, exc)
-                self._note_local(operation, FinishOp(current_id, request_id))
+                self._note_local(operation, FinishOp(current_id, request_id, self._server_ms()))
+                self._pending(exc, None)
             return FinishResult(removed=removed, dropped=dropped, fenced=fenced)  # decided here
         if result.fenced:
             logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
         return result
+
+    def _within_budget(self, call: Callable[[], T]) -> T:
+        """Run a hook's Redis call; past ``hook_budget_ms`` stop waiting (:class:`OverBudget`:
+        the hook journals, as for an outage, and the write-back takes the call's own outcome)."""
+        if self._caller is None:
+            # A worker per hook thread of FastDeploy's (consumer, adder, sender) and a spare: calls
+            # of different threads run side by side, as they did without the budget.
+            self._caller = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rls-hook")
+        future = self._caller.submit(call)
+        try:
+            return future.result(timeout=self.hook_budget_s)
+        except concurrent.futures.TimeoutError:
+            raise OverBudget(self.hook_budget_s, future) from None
+
+    def _pending(self, exc: BaseException, decided: _D) -> _D:
+        """Under the lock, after a local decision journaled its operation: when the hook stopped
+        waiting (the call may still run in Redis), journal the call instead, with that
+        operation to replay should the call fail."""
+        last = self._journal[-1] if self._journal else None
+        if isinstance(exc, OverBudget) and last is not None and not isinstance(last, PendingCall):
+            self._journal[-1] = PendingCall(exc.future, last)
+        return decided
 
     # -- state ----------------------------------------------------------------------------
 
@@ -281,12 +402,30 @@ class Layer0Bridge:
                 journal=len(self._journal),
                 errors=dict(self._errors),
                 suppressed=self._suppressed,
+                unwritten=self._unwritten(),
+                lag_seconds=self._lag_seconds(),
             )
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until Redis holds every decision made so far (True), or ``timeout_s`` passes
+        (False). For tests, shutdown and operators; no hook ever waits for Redis."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while self._unwritten():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+            return True
 
     def reconcile(self) -> bool:
         """Write back what was decided locally, if Redis answers; True once the bridge serves
         from Redis again (also when it was never degraded). The background thread calls this
-        every ``probe_s`` while degraded; calling it yourself is harmless."""
+        every ``probe_s`` while degraded; calling it yourself is harmless. Where the process
+        owns its rank the writer does this: it waits for it (see :meth:`flush`), at most the
+        buffer's ``retry_s``."""
+        if self.owned is not None:
+            return self.flush(self.buffer.config.retry_s) and not self.health().degraded
         with self._replaying:
             return self._reconcile()
 
@@ -297,7 +436,6 @@ class Layer0Bridge:
                     return True
                 op = self._journal[0] if self._journal else None
             if op is None:
-                self._restore_tasks()
                 with self._lock:
                     if self._journal:
                         continue  # served something locally meanwhile: write that back too
@@ -310,15 +448,162 @@ class Layer0Bridge:
                 moved = entries_in(op)
                 self._reconciled += moved
                 self._episode_reconciled += moved
-                if not self.registers_tasks:
-                    # Nothing of these was queued here: the task or the signal was in another process.
-                    self._queue(handed)
+                # Nothing of these was queued here: the task or the signal was in another process.
+                self._queue(handed)
 
     def close(self) -> None:
-        """Stop the background writer (what is not written back yet stays unwritten)."""
+        """Stop the background writers, once what was decided is written (waiting at most the
+        buffer's ``retry_s``, none while Redis does not answer): what is left stays unwritten."""
+        if self._caller is not None:
+            self._caller.shutdown(wait=False)
+        if self._writer is not None and self._degraded_since is None:
+            self.flush(self.buffer.config.retry_s)
         self._closed.set()
-        if self._reconciler is not None:
-            self._reconciler.join(5)
+        with self._wake:
+            self._wake.notify_all()
+        for thread in (self._reconciler, self._writer):
+            if thread is not None:
+                thread.join(5)
+
+    # -- the writer (registers_tasks): Redis follows the process's decisions ---------------
+
+    def _server_ms(self) -> int:
+        """Now on the server's clock: the buffer's injected clock, else this host's clock
+        corrected by the offset the last reply showed."""
+        clock = self.buffer.protocol.clock
+        if clock is not None:
+            return int(clock())
+        return int(time.time() * 1000) + self._offset_ms
+
+    def _heard_from_server(self, result: RecordResult) -> None:
+        """Under the lock: a record's signals carry the server's time: keep the clocks' offset
+        (what a journaled decision is dated with)."""
+        signals = result.delivered or result.buffered
+        if signals and self.buffer.protocol.clock is None:
+            self._offset_ms = signals[0].recorded_at_ms - int(time.time() * 1000)
+
+    def _decided(self, operation: str) -> None:
+        """Under the lock: a hook decided; wake the writer with the first decision it has not
+        taken yet (it takes everything decided until then in one batch)."""
+        if self._pending_since is None:
+            self._pending_since = time.monotonic()
+            self._wake.notify_all()
+        if self._degraded_since is not None:
+            self._local_calls[operation] += 1
+            self._episode_calls += 1
+
+    def _unwritten(self) -> int:
+        """Under the lock: hook decisions Redis does not hold yet."""
+        if self.owned is None:
+            return len(self._journal)
+        in_flight = max(1, self._in_flight[1]) if self._in_flight is not None else 0
+        rest = int(not self.owned.decisions and (self._resync or self.owned.unwritten()))
+        return self.owned.decisions + in_flight + rest
+
+    def _lag_seconds(self) -> float:
+        """Under the lock: the age of the oldest decision Redis does not hold yet."""
+        times = [t for t in (self._pending_since, self._in_flight[0] if self._in_flight else None) if t is not None]
+        return time.monotonic() - min(times) if times else 0.0
+
+    def _adopt(self) -> bool:
+        """What an earlier process of this rank left in Redis (see :meth:`OwnedRank.adopt`);
+        False when Redis did not answer (the writer tries again before its first write)."""
+        assert self.owned is not None
+        keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
+        client = self.buffer.client
+        try:
+            pending_raw = client.hgetall(keys.pending)
+            live_raw = client.hgetall(keys.live)
+            sent = time.time()
+            now = self.buffer.now_ms()
+            midway = (sent + time.time()) / 2
+        except Exception as exc:
+            logger.warning("%s/%d: could not read what Redis holds for this rank: %s", self.instance, self.rank, exc)
+            return False
+        pending: dict[int, str] = {}
+        suffix = f":{SIGNAL_LAYER}"
+        for field, value in pending_raw.items():
+            name, text = _text(field), _text(value)
+            if name.endswith(suffix) and name[: -len(suffix)].isdigit():
+                pending[int(name[: -len(suffix)])] = text
+        holders = {int(_text(f)): _text(v)[17:] for f, v in live_raw.items() if _text(f).isdigit()}
+        with self._lock:
+            if self.buffer.protocol.clock is None:
+                self._offset_ms = now - int(midway * 1000)
+            self.owned.adopt(pending, holders, self._server_ms())
+            if self.owned.unwritten() and self._pending_since is None:
+                self._pending_since = time.monotonic()
+            self._wake.notify_all()
+        return True
+
+    def _write_loop(self) -> None:
+        """Take what the process decided and not yet written, send it as one ``apply``, again
+        until Redis has it; the next batch holds what was decided meanwhile, compacted."""
+        owned = self.owned
+        assert owned is not None
+        every_slot = False
+        while True:
+            with self._wake:
+                while not self._closed.is_set() and not owned.unwritten() and not self._resync:
+                    self._wake.wait(self.probe_s)
+                    owned.expire(self._server_ms())  # the local sweep, also when the rank is idle
+                if self._closed.is_set():
+                    return
+                started = self._pending_since or time.monotonic()
+                batch = owned.take(every_slot, range(self.buffer.config.max_slots) if self._resync else range(0))
+                self._resync = False
+                self._in_flight = (started, batch.decisions)
+                self._pending_since = None
+            keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
+            prepared = self.buffer.protocol.apply(keys, SIGNAL_LAYER, batch.counts, batch.slots)
+            every_slot = False
+            while True:
+                try:
+                    if not self._adopted:
+                        self._adopted = self._adopt()
+                    sent = time.time()
+                    applied = self.buffer.apply(prepared)
+                    took = time.time() - sent
+                    midway = sent + took / 2  # the server read its clock about halfway
+                    break
+                except Exception as exc:
+                    with self._lock:
+                        self._degrade("writer", exc)
+                    every_slot = True  # Redis may have lost what it held: send every slot next
+                    if self._closed.wait(self.probe_s):
+                        return
+            with self._wake:
+                if self.buffer.protocol.clock is None and took < OFFSET_MAX_ROUND_TRIP_S:
+                    self._offset_ms = applied.now_ms - int(midway * 1000)
+                self._in_flight = None
+                owned.written()
+                self._written += batch.decisions
+                if (applied.tasks, applied.pending) != owned.believed() and not batch.everything:
+                    # Redis lost slots this batch did not list (a restart, a failover) or holds
+                    # some the process never wrote: the next batch lists every slot of the rank.
+                    self._resync = True
+                overridden = applied.overridden
+                if overridden:
+                    logger.warning(
+                        "%s/%d: %d slots in Redis did not hold what this process last wrote there "
+                        "(a restart, a failover, or a holder left by an earlier process): this "
+                        "process's state written over them, counted as overridden",
+                        self.instance,
+                        self.rank,
+                        overridden,
+                    )
+                if self._degraded_since is not None:
+                    # The episode's counters go with the next batch: exact, under its token.
+                    behind = batch.decisions + owned.decisions  # Redis missed them: written back now
+                    self._reconciled += behind
+                    self._episode_reconciled += behind
+                    seconds, calls, entries = self._end_episode()
+                    owned.counts[STATS_DEGRADED_MS] += max(1, round(seconds * 1000))
+                    owned.counts[STATS_SERVED_LOCALLY] += calls
+                    owned.counts[STATS_RECONCILED] += entries
+                    if self._pending_since is None:
+                        self._pending_since = time.monotonic()
+                self._wake.notify_all()
 
     # -- mapping ---------------------------------------------------------------------------
 
@@ -353,42 +638,18 @@ class Layer0Bridge:
         try:
             return self.buffer.register(task)
         except SlotOccupied as occupied:
-            logger.warning(
-                "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
-                task.slot,
-                self.instance,
-                self.rank,
-                occupied.holder,
-                task.request_id,
-            )
+            self._log_takeover(task, occupied.holder)
             return self.buffer.register(task, replace=True)
 
-    def _settle_record(self, result: RecordResult) -> tuple[Batch, list[CacheTask]]:
-        """Under the lock: queue what Redis delivered; keep a copy of what it buffered. Returns
-        the batch queued and the tasks of this process that Redis has lost (to register again)."""
-        deliver: Batch = []
-        repair: list[CacheTask] = []
-        for signal in result.delivered:
-            if not self.registers_tasks or signal.slot in self._gates or signal.slot in self.local.tasks:
-                deliver.append((signal.slot, signal.tokens))
-            else:
-                # Redis holds a task for this slot that this process never registered (left by
-                # an earlier process, or restored from an AOF): FastDeploy's sender knows no
-                # such task, so the signal waits here for this process's own.
-                self.local.keep_early(signal.slot, self._early(signal), counted=False)
-        for signal in result.buffered:
-            holder = self.local.tasks.get(signal.slot)
-            mine = holder is not None and signal.request_id in (None, holder.task.request_id)
-            if self.registers_tasks and holder is not None and mine and signal.slot not in self._gates:
-                if signal.tokens <= holder.queued_tokens:
-                    continue  # recorded just before the registration, which recovered it
-                # Redis lost this process's task (a restart without persistence): send now,
-                # and register the task again so the buffered copy is taken, not left behind.
-                deliver.append((signal.slot, signal.tokens))
-                repair.append(holder.task)
-            elif self.registers_tasks:
-                self.local.keep_early(signal.slot, self._early(signal), counted=False)
-        return self._queue(deliver), repair
+    def _log_takeover(self, task: CacheTask, holder: str) -> None:
+        logger.warning(
+            "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
+            task.slot,
+            self.instance,
+            self.rank,
+            holder,
+            task.request_id,
+        )
 
     def _settle_register(self, task: CacheTask, result: RegisterResult) -> Batch:
         """Under the lock: queue the recovered batch, then what waited behind the registration."""
@@ -402,32 +663,11 @@ class Layer0Bridge:
                 reason.value,
             )
         recovered = [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
-        if self.registers_tasks:
-            answered = any(s.layer == SIGNAL_LAYER for s in result.recovered) or any(
-                s.layer == SIGNAL_LAYER for s, _ in result.dropped
-            )
-            early, refusal = self.local.register(task, _now_ms())
-            if early is not None and not answered and not result.repeated:
-                # Redis no longer had the signal this process buffered (lost in a restart, or
-                # held here because Redis delivered it to a holder we never registered).
-                self._log_local_verdict(task, early, refusal)
-                if refusal is None:
-                    recovered.append((task.slot, early.tokens))
-        else:
-            self.local.early.pop(task.slot, None)
+        self.local.early.pop(task.slot, None)  # what the journal kept for it: Redis answered
         if result.repeated:
             recovered = []  # the same handoff: its batch was queued the first time
         held = self._gates.pop(task.slot, [])
         return self._queue(recovered) + self._queue(held)
-
-    def _repair(self, task: CacheTask) -> None:
-        """Register a task of this process that Redis lost; what it recovers was queued already."""
-        try:
-            self.buffer.register(task, replace=True)
-        except Exception as exc:
-            with self._lock:
-                self._degrade("on_kv_signal", exc)
-                self._journal.append(RegisterOp(task))
 
     # -- locally (under the lock) ------------------------------------------------------------
 
@@ -436,15 +676,13 @@ class Layer0Bridge:
         now = _now_ms()
         for slot, tokens, *named in entries:
             request_id = named[0] if named else None
-            holder = self.local.tasks.get(slot)
-            live = holder is not None and request_id in (None, holder.task.request_id)
-            if slot in self._gates or (self.registers_tasks and live):
+            if slot in self._gates:  # its registration is on its way from this process
                 self.local.count_delivered()
                 deliver.append((slot, tokens))
             else:
                 early = EarlySignal(tokens, now + self._pending_ttl_ms, shared=False, request_id=request_id)
                 self.local.keep_early(slot, early, counted=True)
-        self._note_local("on_kv_signal", RecordOp(tuple(entries)))
+        self._note_local("on_kv_signal", RecordOp(tuple(entries), self._server_ms()))
         return self._queue(deliver)
 
     def _register_locally(self, task: CacheTask) -> Batch:
@@ -459,7 +697,7 @@ class Layer0Bridge:
                 task.request_id,
             )
         early, reason = self.local.register(task, _now_ms())
-        self._note_local("on_cache_task", RegisterOp(task))
+        self._note_local("on_cache_task", RegisterOp(task, self._server_ms()))
         if early is None:
             return []
         self._log_local_verdict(task, early, reason)
@@ -467,7 +705,7 @@ class Layer0Bridge:
 
     def _finish_locally(self, slot: int, request_id: str) -> FinishResult:
         removed, dropped, fenced = self.local.finish(slot, request_id)
-        self._note_local("on_task_finished", FinishOp(slot, request_id))
+        self._note_local("on_task_finished", FinishOp(slot, request_id, self._server_ms()))
         return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
 
     def _note_local(self, operation: str, op: Operation) -> None:
@@ -496,10 +734,6 @@ class Layer0Bridge:
             self.ready.put(batch)
         return batch
 
-    def _early(self, signal: LayerSignal) -> EarlySignal:
-        deadline = signal.recorded_at_ms + self._pending_ttl_ms
-        return EarlySignal(signal.tokens, deadline, shared=True, request_id=signal.request_id)
-
     # -- episodes --------------------------------------------------------------------------
 
     def _degrade(self, operation: str, exc: BaseException) -> None:
@@ -520,7 +754,7 @@ class Layer0Bridge:
             exc,
             exc_info=exc,
         )
-        if self._reconciler is None or not self._reconciler.is_alive():
+        if self.owned is None and (self._reconciler is None or not self._reconciler.is_alive()):
             self._reconciler = threading.Thread(target=self._reconcile_loop, name="rls-reconcile", daemon=True)
             self._reconciler.start()
 
@@ -531,16 +765,6 @@ class Layer0Bridge:
                     return
             except Exception as exc:  # still unreachable: the next probe tries again
                 logger.debug("%s/%d: still degraded: %s", self.instance, self.rank, exc)
-
-    def _restore_tasks(self) -> None:
-        """Register again every task this process holds, in case Redis lost it (a restart
-        without persistence); a task Redis still has is a repeat that changes nothing."""
-        if not self.registers_tasks:
-            return
-        with self._lock:
-            tasks = [holder.task for holder in self.local.tasks.values()]
-        for task in tasks:
-            self.buffer.register(task, replace=True)
 
     def _end_episode(self) -> tuple[float, int, int]:
         """Under the lock, with the journal written back: serve from Redis again. Returns the
@@ -630,6 +854,10 @@ def block_ids(task: CacheTask, field: str) -> list[int]:
     """The block ids a task's meta carries (``src_block_ids`` or ``dest_block_ids``)."""
     text = task.meta.get(field, "")
     return [int(part) for part in text.split(",")] if text else []
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _now_ms() -> int:

@@ -49,6 +49,12 @@ class BridgeHealth:
     was logged (once per episode) and served locally or skipped, never raised."""
     suppressed: int
     """Layer-0 signals not queued because the sender already had one as far along."""
+    unwritten: int = 0
+    """Hook decisions Redis does not hold yet: the writer's lag (``registers_tasks``), or the
+    journal (an adder in another process)."""
+    lag_seconds: float = 0.0
+    """Age of the oldest decision Redis does not hold yet (0 when caught up): how far behind
+    what ``rls inspect`` and the exporter read from Redis is."""
 
 
 class BridgeMetrics(Exporter):
@@ -80,6 +86,12 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
         journal = GaugeMetricFamily(
             "rls_bridge_journal", "Operations served locally, not yet written back", labels=LABELS
         )
+        unwritten = GaugeMetricFamily(
+            "rls_bridge_unwritten", "Hook decisions Redis does not hold yet (the writer's lag)", labels=LABELS
+        )
+        lag = GaugeMetricFamily(
+            "rls_bridge_lag_seconds", "Age of the oldest decision Redis does not hold yet", labels=LABELS
+        )
         errors = CounterMetricFamily(
             "rls_bridge_errors", "Hook calls that failed on the way (never raised)", labels=[*LABELS, "operation"]
         )
@@ -91,7 +103,9 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
             episodes.add_metric(labels, health.episodes)
             reconciled.add_metric(labels, health.reconciled_entries)
             journal.add_metric(labels, health.journal)
+            unwritten.add_metric(labels, health.unwritten)
+            lag.add_metric(labels, health.lag_seconds)
             for operation in OPERATIONS:
                 local.add_metric([*labels, operation], health.local_calls.get(operation, 0))
                 errors.add_metric([*labels, operation], health.errors.get(operation, 0))
-        yield from (degraded, seconds, episodes, local, reconciled, journal, errors)
+        yield from (degraded, seconds, episodes, local, reconciled, journal, unwritten, lag, errors)

@@ -1,21 +1,24 @@
 """What the bridge decided while Redis was unreachable, and how it is written back.
 
 Each hook call served locally appends one operation. Once Redis answers again, the operations
-are replayed in their order through the buffer's ordinary calls, so Redis ends where it would
-have been had it answered all along: the same tasks live, the same early signals pending, and
-the counters advanced by the same decisions (a signal delivered locally is counted delivered by
-the replayed ``record``, one recovered locally is counted recovered by the replayed
-``register``, and so on). Nothing a replay returns is handed out again when this process
-registers its own tasks: it already handed those out. See ``bridge``.
+are replayed in their order through the buffer's ordinary calls, each as of the time it was
+decided (on the server's clock), so a replay never changes a decision: a signal keeps the time
+it was first recorded (one whose TTL ran out during the outage stays expired, one that met its
+task in time stays in time, whichever process writes back first), and a task its registration
+time. Redis ends where it would have been had it answered all along: the same tasks live, the
+same early signals pending, and the counters advanced by the same decisions. Where the process
+owns its rank it does not journal (see ``owner``); here the adder runs in another process,
+and what a replay hands out is queued by the process that replays it.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from ..buffer import SignalBuffer
-from ..models import CacheTask
+from ..models import CacheTask, RecordResult, RegisterResult
 from .signals import SIGNAL_LAYER
 
 
@@ -24,6 +27,8 @@ class RecordOp:
     """A layer-0 batch recorded locally: ``(slot, tokens[, request_id])`` entries."""
 
     entries: tuple[tuple[Any, ...], ...]
+    at_ms: int | None = None
+    """When it was recorded, on the server's clock."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class RegisterOp:
     """A task registered locally (overwriting the slot's holder, as FastDeploy does)."""
 
     task: CacheTask
+    at_ms: int | None = None
+    """When it was registered, on the server's clock."""
 
 
 @dataclass(frozen=True)
@@ -39,27 +46,50 @@ class FinishOp:
 
     slot: int
     request_id: str
+    at_ms: int | None = None
 
 
-Operation = RecordOp | RegisterOp | FinishOp
+@dataclass(frozen=True)
+class PendingCall:
+    """A hook's call that outlived the hook's budget: it may still run in Redis. Its own
+    outcome is the write-back; ``fallback`` (what the hook decided locally) is replayed only if
+    the call failed."""
+
+    future: Future[Any]
+    fallback: RecordOp | RegisterOp | FinishOp
+
+
+Operation = RecordOp | RegisterOp | FinishOp | PendingCall
 
 
 def replay(buffer: SignalBuffer, instance: str, rank: int, op: Operation) -> list[tuple[int, int]]:
     """Run one journaled operation on Redis; returns the layer-0 entries Redis handed out
     (delivered by a record, recovered by a register), which the caller queues only when this
     process could not have handed them out itself."""
+    if isinstance(op, PendingCall):
+        try:
+            result = op.future.result()
+        except Exception:
+            return replay(buffer, instance, rank, op.fallback)
+        if isinstance(result, RecordResult):
+            return [(s.slot, s.tokens) for s in result.delivered]
+        if isinstance(result, RegisterResult) and not result.repeated:
+            return [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
+        return []
     if isinstance(op, RecordOp):
-        result = buffer.record(instance, rank, SIGNAL_LAYER, list(op.entries))
+        result = buffer.record(instance, rank, SIGNAL_LAYER, list(op.entries), at_ms=op.at_ms)
         return [(s.slot, s.tokens) for s in result.delivered]
     if isinstance(op, RegisterOp):
-        registered = buffer.register(op.task, replace=True)
+        registered = buffer.register(op.task, replace=True, at_ms=op.at_ms)
         if registered.repeated:
             return []
         return [(s.slot, s.tokens) for s in registered.recovered if s.layer == SIGNAL_LAYER]
-    buffer.finish(instance, rank, op.slot, op.request_id)
+    buffer.finish(instance, rank, op.slot, op.request_id, at_ms=op.at_ms)
     return []
 
 
 def entries_in(op: Operation) -> int:
     """How many entries writing ``op`` back moves (the reconciled-entries metric)."""
+    if isinstance(op, PendingCall):
+        return entries_in(op.fallback)
     return len(op.entries) if isinstance(op, RecordOp) else 1

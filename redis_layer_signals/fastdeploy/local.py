@@ -32,11 +32,17 @@ class LocalTask:
     """Tokens of the newest layer-0 signal handed to the sender for this request (-1: none). A
     signal at or below it is already covered: queueing it again would resend its blocks, or
     reach the sender after the request finished."""
+    registered_at_ms: int = 0
+    """When the process registered it, on the server's clock (its lease runs from then)."""
+    recovery: str = ""
+    """What its registration popped, as register.lua keeps it (see :mod:`.owner`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EarlySignal:
-    """The newest layer-0 signal of a slot that no task of this process has taken yet."""
+    """The newest layer-0 signal of a slot that no task of this process has taken yet. Never
+    changed once built (``dataclasses.replace`` makes another); not frozen, whose ``__init__``
+    costs twice as much, and one is built per buffered entry."""
 
     tokens: int
     deadline_ms: int

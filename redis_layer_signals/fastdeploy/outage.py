@@ -131,6 +131,8 @@ class _Outage:
         """Between two calls, so the counters read now are the ones Redis dies with."""
         if not messager.wait_idle(IDLE_TIMEOUT_S):
             raise TimeoutError(f"the messager did not go idle within {IDLE_TIMEOUT_S}s")
+        if not messager.bridge.flush(IDLE_TIMEOUT_S):
+            raise TimeoutError(f"the bridge's writer did not catch up within {IDLE_TIMEOUT_S}s")
         with SignalBuffer.from_url(self.server.url, namespace=self.namespace, env={}) as reader:
             self.before = reader.stats(sweep=False)
             self.pending_before = sum(

@@ -231,14 +231,21 @@ def run(
                 acks |= _drain(messager.acks)
             if before_end is not None:
                 before_end(messager)
+            if not bridge.health().degraded:
+                bridge.flush(timeout_s)  # Redis then holds what the process decided
             stats = _stats_or_none(buffer)  # before the closing probe, which is not the workload's
-            local_counts, local_pending = dict(bridge.local.counts), bridge.local.pending_here()
+            if bridge.owned is not None:
+                local_counts, local_pending = bridge.owned.unwritten_counts(), bridge.owned.pending_here()
+            else:
+                local_counts, local_pending = dict(bridge.local.counts), bridge.local.pending_here()
             alive = all(t.is_alive() for t in messager.threads) and _serves_one_more(
                 messager, gpu, requests, inbox if adder is not None else messager.cache_infos, timeout_s
             )
             if adder is not None:
                 inbox.put(STOP)
                 adder.join(timeout_s)
+            if not bridge.health().degraded:
+                bridge.flush(timeout_s)  # the probe's decisions too
         return Outcome(
             plans=plans,
             layers=layers,

@@ -1,0 +1,116 @@
+-- apply.lua: FCALL rls_v2_apply, write what the one process that owns an instance and rank
+-- decided (the FastDeploy bridge with registers_tasks): each listed slot's state as it is in
+-- that process now, and the counters its decisions advanced.
+--
+-- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>";
+--                          "<slot>:doc" -> task document; "<slot>:recovery" -> its first
+--                          payload; '~'
+-- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
+-- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
+-- keys[4] stats    hash    counters (no TTL)
+-- keys[5] reply    string  this call's idempotency token
+-- args[1] now_ms (empty: server TIME)   args[2] layer of the pending signals
+-- args[3] pending_ttl_ms                args[4] pending key TTL in ms (pending_ttl + grace)
+-- args[5] task_ttl_ms                   args[6] live key TTL in ms (task_ttl + grace)
+-- args[7] reply_ttl_ms
+-- args[8] counters to add, "<name>=<n>;" each: decisions on signals and tasks Redis never saw
+-- args[9...] eight per slot:
+--   slot; prior: the request id the process last wrote as the slot's holder ('' none, '?'
+--   unknown); lease: the live entry, "<deadline ms16>|<request id>" ('' the slot has no task);
+--   document; recovery payload; pending: the slot's signal of args[2] as stored,
+--   "tokens,request_id,recorded_at,deadline" ('' none); fate: a counter counted once if the
+--   field still holds the value in the next argument ('' none); that value.
+--
+-- Reply: "ok|<now ms>|<overridden>,<tasks>,<pending>": overridden, the slots whose holder in
+-- Redis was not the one the process last wrote there (a restart, a failover, a holder left by
+-- a dead process), each also counted under "overridden"; then the tasks and the pending
+-- signals the rank holds after this call, which the process compares with what it believes
+-- Redis holds (a restart that lost slots this call did not list shows there).
+--
+-- Guarantees: the process is the judge and Redis its copy, so each listed slot ends exactly as
+-- the process holds it: its task (or none) and its pending signal (or none), with the times the
+-- process decided at. A fate is counted only while Redis still holds the signal it ends: one
+-- that a reader's sweep expired meanwhile is counted once, as expired. No sweep runs here (the
+-- process decides expiries and sends them as fates). A resend with the same token returns the
+-- first reply and writes nothing new. Work is bounded by the slots listed (one HGET of the
+-- live hash and at most two of the pending hash each).
+
+local SLOT_ARGS = 8
+
+local function apply(keys, args)
+  local live_key, pending_key, expiry_key, stats_key, reply_key = keys[1], keys[2], keys[3], keys[4], keys[5]
+
+  local cached = replayed_reply(reply_key, stats_key)
+  if cached then
+    return cached
+  end
+
+  local now = now_ms(args[1])
+  local layer = args[2]
+  local pending_ttl, task_ttl = tonumber(args[3]), tonumber(args[5])
+
+  for name, n in string.gmatch(args[8], '([^=;]+)=(%d+);') do
+    count(stats_key, name, tonumber(n))
+  end
+
+  local overridden, live_set, live_deleted, pending_set, pending_deleted = 0, false, false, false, {}
+  local zadd = {'LT'}
+  for first = 9, #args, SLOT_ARGS do
+    local slot, prior, lease, doc, recovery, signal, fate, fated = unpack(args, first, first + SLOT_ARGS - 1)
+
+    local current = redis.call('HGET', live_key, slot)
+    local current_id = current and string.sub(current, 18) or ''
+    if prior ~= '?' and current_id ~= prior then
+      overridden = overridden + 1
+    end
+    if lease == '' then
+      if current then
+        redis.call('HDEL', live_key, slot, slot .. ':doc', slot .. ':recovery')
+        live_deleted = true
+      end
+    elseif lease ~= current then
+      redis.call('HSET', live_key, slot, lease, slot .. ':doc', doc, slot .. ':recovery', recovery,
+        HASHTABLE_FIELD, HASHTABLE_VALUE)
+      live_set = true
+    end
+
+    local field = slot .. ':' .. layer
+    if fate ~= '' and redis.call('HGET', pending_key, field) == fated then
+      redis.call('HINCRBY', stats_key, fate, 1)
+    end
+    if signal == '' then
+      pending_deleted[#pending_deleted + 1] = field
+    else
+      redis.call('HSET', pending_key, field, signal)
+      local _, _, _, deadline = parse_signal(signal)
+      zadd[#zadd + 1] = deadline
+      zadd[#zadd + 1] = fmt(math.floor(tonumber(slot) / EXPIRY_GROUP))
+      pending_set = true
+    end
+  end
+
+  if live_set then
+    keep_alive(live_key, nil, task_ttl, tonumber(args[6]))
+  elseif live_deleted and redis.call('HLEN', live_key) <= 1 then
+    redis.call('DEL', live_key)
+  end
+  if pending_set then
+    note_layer(pending_key, layer)
+    redis.call('ZADD', expiry_key, unpack(zadd))
+    keep_alive(pending_key, expiry_key, pending_ttl, tonumber(args[4]))
+  end
+  if #pending_deleted > 0 then
+    hdel(pending_key, pending_deleted)
+    drop_pending_if_empty(pending_key, expiry_key)
+  end
+  count(stats_key, 'overridden', overridden)
+
+  -- Each task is three fields of live, each signal one of pending; both hashes also hold '~',
+  -- pending "layers" too.
+  local tasks = math.max(0, math.floor((redis.call('HLEN', live_key) - 1) / 3))
+  local signals = math.max(0, redis.call('HLEN', pending_key) - 2)
+  local reply = 'ok|' .. fmt(now) .. '|' .. overridden .. ',' .. tasks .. ',' .. signals
+  return remember_reply(reply_key, reply, args[7])
+end
+
+redis.register_function('rls_v2_apply', apply)

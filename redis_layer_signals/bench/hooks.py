@@ -1,0 +1,380 @@
+"""The FastDeploy bridge's three hooks against FastDeploy's own fix, side by side in one run.
+
+FastDeploy's fix is a lock, a dict lookup per entry and a queue put (:class:`FastDeployDict`);
+the bridge is :class:`~redis_layer_signals.fastdeploy.Layer0Bridge` in FastDeploy's layout
+(the process registers every task of its rank). Both serve the same steps, a forward step of
+``entries`` requests each prefilled in 2 chunks (first chunk's layer-0 signal before its task,
+the task, the second chunk's signal, the finish), under three conditions: a healthy Redis on
+loopback, the same behind a link that delays every byte by ``delay_s`` (a proxy on loopback),
+and Redis killed. Every hook call is timed. On the healthy server the run also reads Redis's
+CPU time (``INFO cpu``) and its calls (``INFO commandstats``) per request, with 8 requests in
+flight per forward step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import queue
+import socket
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..buffer import SignalBuffer
+from ..fastdeploy.bridge import Layer0Bridge
+from ..fastdeploy.signals import KvSignal, encode_kv_signal
+from .machine import describe
+from .server import REDIS_SERVER, LocalRedis
+
+ENTRIES = (1, 8, 64)
+DELAY_S = 0.3
+STEPS = 300
+"""Forward steps timed per case (each step is 2 + 2 x entries hook calls per side)."""
+CPU_STEPS = 2000
+"""Forward steps of 8 requests for the Redis CPU figure."""
+REQUESTS_PER_S_PER_RANK = 40
+LAYERS = 61
+HOOKS = ("on_kv_signal", "on_cache_task", "on_task_finished")
+
+
+class FastDeployDict:
+    """The shape of FastDeploy's fix: a lock, a dict lookup per entry, a queue put."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tasks: dict[int, dict[str, Any]] = {}
+        self.pending: dict[int, int] = {}
+        self.ready: queue.Queue[Any] = queue.Queue()
+
+    def on_kv_signal(self, entries: Sequence[tuple[int, int]]) -> None:
+        ready = []
+        with self.lock:
+            for slot, tokens in entries:
+                if slot in self.tasks:
+                    ready.append((slot, tokens))
+                else:
+                    self.pending[slot] = tokens
+        if ready:
+            self.ready.put(ready)
+
+    def on_cache_task(self, info: dict[str, Any]) -> None:
+        with self.lock:
+            slot = info["current_id"]
+            self.tasks[slot] = info
+            tokens = self.pending.pop(slot, None)
+        if tokens is not None and tokens <= info["need_prefill_tokens"]:
+            self.ready.put([(slot, tokens)])
+
+    def on_task_finished(self, slot: int, request_id: str) -> None:
+        with self.lock:
+            self.tasks.pop(slot, None)
+            self.pending.pop(slot, None)
+
+
+class DelayingProxy:
+    """A TCP proxy on loopback that holds every chunk ``delay_s`` before passing it on, both
+    ways: a link with that one-way latency."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                held: queue.Queue[tuple[float, bytes]] = queue.Queue()
+                threading.Thread(target=self._read, args=(source, held), daemon=True).start()
+                threading.Thread(target=self._write, args=(sink, held), daemon=True).start()
+
+    def _read(self, source: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                held.put((time.monotonic() + self.delay_s, data))
+        held.put((0.0, b""))
+
+    def _write(self, sink: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                due, data = held.get()
+                if not data:
+                    sink.shutdown(socket.SHUT_WR)
+                    return
+                time.sleep(max(0.0, due - time.monotonic()))
+                sink.sendall(data)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _kv(entries: Sequence[tuple[int, int, int]]) -> Any:
+    return encode_kv_signal(0, entries)
+
+
+def _steps(entries: int, steps: int) -> Iterator[tuple[Any, list[dict[str, Any]], Any, list[tuple[int, str]]]]:
+    """Per forward step: the first chunks' message, the tasks, the second chunks' message, the
+    finishes; slots cycle over 512."""
+    for step in range(steps):
+        slots = [(step * entries + i) % 512 for i in range(entries)]
+        ids = [f"req-{step}-{i}" for i in range(entries)]
+        first = _kv([(slot, 0, 128) for slot in slots])
+        second = _kv([(slot, 128, 128) for slot in slots])
+        pairs = list(zip(slots, ids, strict=True))
+        infos = [{"request_id": r, "current_id": s, "need_prefill_tokens": 256} for s, r in pairs]
+        yield first, infos, second, list(zip(slots, ids, strict=True))
+
+
+def _drive(side: Any, entries: int, steps: int, wrap: Callable[[list[tuple[int, int]]], Any]) -> dict[str, list[int]]:
+    """Run the steps on one side; nanoseconds per hook call. Both sides get the message's
+    entries already decoded (``wrap`` gives each its form), as FastDeploy's consumer decodes
+    the message itself before its dict: what is timed is the hook."""
+    times: dict[str, list[int]] = {hook: [] for hook in HOOKS}
+    clock = time.perf_counter_ns
+    for first, infos, second, finishes in _steps(entries, steps):
+        payload = wrap(_pairs(first))
+        t = clock()
+        side.on_kv_signal(payload)
+        times["on_kv_signal"].append(clock() - t)
+        for info in infos:
+            t = clock()
+            side.on_cache_task(info)
+            times["on_cache_task"].append(clock() - t)
+        payload = wrap(_pairs(second))
+        t = clock()
+        side.on_kv_signal(payload)
+        times["on_kv_signal"].append(clock() - t)
+        for slot, request_id in finishes:
+            t = clock()
+            side.on_task_finished(slot, request_id)
+            times["on_task_finished"].append(clock() - t)
+    return times
+
+
+def _pairs(message: Any) -> list[tuple[int, int]]:
+    """What FastDeploy's consumer builds from the message before its dict: (slot, tokens)."""
+    count = int(message[0])
+    rows = np.asarray(message[2 : 2 + 3 * count]).reshape(count, 3)
+    return [(int(r[0]), int(r[1] + r[2])) for r in rows]
+
+
+def _summary(ns: list[int]) -> dict[str, float]:
+    ordered = sorted(ns)
+    return {
+        "calls": len(ordered),
+        "p50_us": statistics.median(ordered) / 1000,
+        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] / 1000,
+        "max_us": ordered[-1] / 1000,
+    }
+
+
+def _bridge(url: str, retry_s: float = 0.5) -> tuple[SignalBuffer, Layer0Bridge]:
+    buffer = SignalBuffer.from_url(url, namespace=f"bench-{uuid.uuid4().hex[:8]}", retry_s=retry_s, env={})
+    return buffer, Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS)
+
+
+class GcPauses:
+    """The interpreter's garbage collections during a case: a hook call that a collection
+    interrupts takes that long, whatever the hook does."""
+
+    def __init__(self) -> None:
+        self.longest_s = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.longest_s = max(self.longest_s, time.perf_counter() - self._started)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def _case(url: str, entries: int, steps: int, before: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Both sides on the same steps, interleaved in one run (dict, bridge, dict, bridge...)."""
+    with GcPauses() as pauses:
+        out = _interleaved(url, entries, steps, before)
+    out["longest_gc_us"] = pauses.longest_s * 1e6
+    return out
+
+
+def _interleaved(url: str, entries: int, steps: int, before: Callable[[], None] | None) -> dict[str, Any]:
+    buffer, bridge = _bridge(url)
+    if before is not None:
+        before()
+    fd = FastDeployDict()
+    dict_times: dict[str, list[int]] = {hook: [] for hook in HOOKS}
+    bridge_times: dict[str, list[int]] = {hook: [] for hook in HOOKS}
+    rounds = 10
+    for _ in range(rounds):
+        for hook, ns in _drive(fd, entries, steps // rounds, list).items():
+            dict_times[hook] += ns
+        for hook, ns in _drive(bridge, entries, steps // rounds, lambda e: KvSignal(0, tuple(e))).items():
+            bridge_times[hook] += ns
+    out: dict[str, Any] = {"entries": entries, "hooks": {}}
+    for hook in HOOKS:
+        d, b = _summary(dict_times[hook]), _summary(bridge_times[hook])
+        out["hooks"][hook] = {"dict": d, "bridge": b, "p50_ratio": b["p50_us"] / d["p50_us"]}
+    every = [ns for hook in HOOKS for ns in bridge_times[hook]]
+    out["bridge_all"] = _summary(every)
+    out["largest_us"] = out["bridge_all"]["max_us"]
+    bridge.close()
+    buffer.close()
+    return out
+
+
+def _cpu(client: Any) -> tuple[float, int]:
+    info = client.info("cpu")
+    stats = client.info("commandstats")
+    calls = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_fcall", "cmdstat_evalsha"))
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"]), int(calls)
+
+
+def redis_cost(server: LocalRedis, steps: int) -> dict[str, Any]:
+    """Redis's CPU and calls per request: 8 requests per forward step, 2 chunks each."""
+    buffer, bridge = _bridge(server.url, retry_s=3.0)
+    client = server.client()
+    try:
+        assert bridge.flush(10)
+        cpu0, calls0 = _cpu(client)
+        started = time.perf_counter()
+        requests = 0
+        for first, infos, second, finishes in _steps(8, steps):
+            bridge.on_kv_signal(first)  # the raw message, as FastDeploy passes it
+            for info in infos:
+                bridge.on_cache_task(info)
+            bridge.on_kv_signal(second)
+            for slot, request_id in finishes:
+                bridge.on_task_finished(slot, request_id)
+            requests += len(infos)
+            time.sleep(0.0005)  # a forward step takes time: the writer batches what comes meanwhile
+        assert bridge.flush(30)
+        seconds = time.perf_counter() - started
+        cpu1, calls1 = _cpu(client)
+    finally:
+        bridge.close()
+        buffer.close()
+        client.close()
+    cpu_us = (cpu1 - cpu0) * 1e6 / requests
+    return {
+        "requests": requests,
+        "seconds": seconds,
+        "calls_per_request": (calls1 - calls0) / requests,
+        "redis_cpu_us_per_request": cpu_us,
+        "ranks_per_core": 1e6 / (cpu_us * REQUESTS_PER_S_PER_RANK) if cpu_us > 0 else None,
+    }
+
+
+def run(entries: Sequence[int] = ENTRIES, steps: int = STEPS, delay_s: float = DELAY_S) -> dict[str, Any]:
+    result: dict[str, Any] = {"conditions": {}, "delay_s": delay_s, "steps": steps}
+    server = LocalRedis(binary=REDIS_SERVER).start()
+    try:
+        client = server.client()
+        result["machine"] = describe(client.info())
+        client.close()
+        result["conditions"]["healthy"] = [_case(server.url, n, steps) for n in entries]
+        proxy = DelayingProxy(server.port, delay_s)
+        try:
+            result["conditions"][f"{delay_s * 1000:.0f} ms link"] = [_case(proxy.url, n, steps) for n in entries]
+        finally:
+            proxy.close()
+        result["redis_cost"] = redis_cost(server, CPU_STEPS)
+        outage = []
+        for n in entries:
+            if server.process is None or server.process.poll() is not None:
+                server.start()
+            outage.append(_case(server.url, n, steps, before=server.kill))
+        result["conditions"]["outage"] = outage
+    finally:
+        server.cleanup()
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# The FastDeploy bridge's hooks against FastDeploy's dict",
+        "",
+        f"One run, both sides interleaved on the same steps; {result['steps']} forward steps per case, "
+        "each of `entries` requests prefilled in 2 chunks (2 layer-0 messages, a task and a finish per "
+        f"request). Link: a proxy on loopback delaying each byte {result['delay_s'] * 1000:.0f} ms each way. "
+        f"Machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, shared with other "
+        f"work while it ran; Python {result['machine']['python']}, Redis {result['machine']['redis_version']}.",
+        "",
+        "| condition | entries | hook | dict p50 µs | bridge p50 µs | ratio | bridge p99 µs | bridge max µs |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for condition, cases in result["conditions"].items():
+        for case in cases:
+            for hook, h in case["hooks"].items():
+                lines.append(
+                    f"| {condition} | {case['entries']} | `{hook}` | {h['dict']['p50_us']:.1f} | "
+                    f"{h['bridge']['p50_us']:.1f} | {h['p50_ratio']:.2f} | {h['bridge']['p99_us']:.1f} | "
+                    f"{h['bridge']['max_us']:.0f} |"
+                )
+    cost = result["redis_cost"]
+    lines += [
+        "",
+        "Largest single hook call of the bridge, per condition: "
+        + ", ".join(
+            f"{condition} {max(c['largest_us'] for c in cases) / 1000:.1f} ms"
+            for condition, cases in result["conditions"].items()
+        )
+        + ". Longest garbage collection of the interpreter during a case, per condition: "
+        + ", ".join(
+            f"{condition} {max(c['longest_gc_us'] for c in cases) / 1000:.1f} ms"
+            for condition, cases in result["conditions"].items()
+        )
+        + " (a hook call it interrupts takes that long).",
+        "",
+        f"Redis's cost, 8 requests in flight per forward step, each prefilled in 2 chunks "
+        f"({cost['requests']} requests): {cost['calls_per_request']:.3f} function calls and "
+        f"{cost['redis_cpu_us_per_request']:.1f} µs of Redis CPU (`INFO cpu`, sys + user) per request; at "
+        f"{REQUESTS_PER_S_PER_RANK} requests per second per rank one Redis core serves about "
+        f"{cost['ranks_per_core']:.0f} ranks.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cli = argparse.ArgumentParser(prog="rls bench --hooks", description=__doc__)
+    cli.add_argument("--steps", type=int, default=STEPS)
+    cli.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = cli.parse_args(argv)
+    result = run(steps=args.steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hooks.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    (args.out / "hooks.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0

@@ -1,0 +1,286 @@
+"""The rank a process owns: it decides in memory, and keeps what Redis has not been told yet.
+
+In FastDeploy's layout one process registers, feeds and finishes every task of its (instance,
+rank). :class:`OwnedRank` holds that rank's tasks and early layer-0 signals, decides each hook
+call with FastDeploy's semantics, and counts every decision as the Lua functions would count the
+same call (``delivered``, ``buffered``, ``superseded``, ``registered``, ``recovered``,
+``dropped_<reason>``, ``occupied`` and ``replaced`` for a takeover, ``reregistered``,
+``finished``, ``finish_dropped``, ``fenced``, ``expired``), with the time on the server's clock.
+
+What Redis has not been told is kept compacted, so it stays bounded whatever an outage lasts:
+the counters' increments (a Counter: exact, whatever their number), and per slot a mark that its
+state changed, plus the fate of the one signal Redis holds for it, if the process ended that
+signal (counted by Redis only while Redis still holds it: a reader's sweep that expired it
+first counted it already). :meth:`take` turns that into one ``apply`` call (lua/apply.lua),
+carrying each changed slot's state as it is *now*: its task, its pending signal. The bound is
+the rank's slots, one signal each (the bridge keeps layer 0 only).
+
+No I/O and no locking: the bridge calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+
+from ..models import CacheTask, DropReason
+from ..protocol import SlotState, encode_task
+from .local import EarlySignal, LocalTask, verdict
+
+UNKNOWN = "?"
+"""The holder Redis has for a slot, when the process does not know it (apply then counts no
+override)."""
+
+
+@dataclass(slots=True)
+class Early:
+    """An early signal and its value as Redis stores it ("tokens,request_id,recorded_at,deadline")."""
+
+    signal: EarlySignal
+    stored: str
+
+
+@dataclass
+class Batch:
+    """What one ``apply`` call carries."""
+
+    counts: dict[str, int]
+    slots: list[SlotState]
+    decisions: int
+    """Hook decisions it writes (the lag it removes)."""
+    everything: bool = False
+    """It lists every slot of the rank."""
+
+
+class OwnedRank:
+    """The tasks and early layer-0 signals of one (instance, rank) that this process owns."""
+
+    def __init__(self, pending_ttl_ms: int, task_ttl_ms: int) -> None:
+        self.pending_ttl_ms = pending_ttl_ms
+        self.task_ttl_ms = task_ttl_ms
+        self.tasks: dict[int, LocalTask] = {}
+        self._early: dict[int, Early] = {}
+        self._deadlines: list[tuple[int, int, int, Early]] = []
+        """(deadline, sequence, slot, signal): the local sweep's queue (ended ones are skipped)."""
+        self._sequence = 0
+        self.counts: Counter[str] = Counter()
+        """Counter increments not yet sent."""
+        self._changed: dict[int, tuple[str, str]] = {}
+        """Slots whose state changed since the last take -> (fate, value) of the signal Redis
+        holds that the process ended meanwhile (("", "") when none)."""
+        self._redis_holder: dict[int, str] = {}
+        """The holder the process last sent per slot ('' none)."""
+        self._redis_pending: dict[int, str] = {}
+        """The pending value the process last sent per slot."""
+        self.decisions = 0
+        """Hook decisions since the last take."""
+        self.in_flight: Batch | None = None
+        """The batch taken and not yet confirmed written."""
+
+    # -- what the hooks decide ----------------------------------------------------------
+
+    @property
+    def early(self) -> dict[int, EarlySignal]:
+        return {slot: early.signal for slot, early in self._early.items()}
+
+    def record(self, entries: list[tuple[int, int, str | None]], now_ms: int) -> list[tuple[int, int]]:
+        """Deliver each entry whose slot holds a task of this process (of its request, when the
+        entry names one), keep the others (newest wins): returns the delivered entries."""
+        self.expire(now_ms)
+        delivered: list[tuple[int, int]] = []
+        for slot, tokens, request_id in entries:
+            holder = self.tasks.get(slot)
+            if holder is not None and request_id in (None, holder.task.request_id):
+                self.counts["delivered"] += 1
+                delivered.append((slot, tokens))
+                continue
+            self.counts["buffered"] += 1
+            deadline = now_ms + self.pending_ttl_ms
+            signal = EarlySignal(tokens, deadline, shared=False, request_id=request_id)
+            early = Early(signal, f"{tokens},{request_id or ''},{now_ms},{deadline}")
+            self._end(slot, "superseded")
+            self._early[slot] = early
+            self._push(slot, early)
+            self._change(slot)
+        self.decisions += 1
+        return delivered
+
+    def register(self, task: CacheTask, now_ms: int) -> tuple[str | None, EarlySignal | None, DropReason | None]:
+        """Make ``task`` the slot's holder and pop its early signal, as register.lua does.
+        Returns (the request it took the slot from or None, the early signal or None, why it
+        must not be sent or None). The same request again changes nothing (``reregistered``)."""
+        self.expire(now_ms)
+        self.decisions += 1
+        slot = task.slot
+        holder = self.tasks.get(slot)
+        if holder is not None and holder.task.request_id == task.request_id:
+            self.counts["reregistered"] += 1
+            return None, None, None
+        taken_from = None
+        if holder is not None:
+            taken_from = holder.task.request_id
+            self.counts["occupied"] += 1  # the bridge's first, refused, attempt
+            self.counts["replaced"] += 1
+        self.counts["registered"] += 1
+        local = LocalTask(task, registered_at_ms=now_ms)
+        self.tasks[slot] = local
+        self._change(slot)
+        early = self._early.get(slot)
+        if early is None:
+            return taken_from, None, None
+        reason = verdict(early.signal, task, now_ms)
+        self._end(slot, "recovered" if reason is None else f"dropped_{reason.value}")
+        signal = early.signal
+        local.recovery = f"0,{signal.tokens},{signal.request_id or ''},{early.stored.split(',')[2]},"
+        local.recovery += f"{reason.value if reason is not None else ''};"
+        return taken_from, signal, reason
+
+    def finish(self, slot: int, request_id: str, now_ms: int) -> tuple[bool, int, bool]:
+        """As finish.lua: (removed, dropped, fenced)."""
+        self.expire(now_ms)
+        self.decisions += 1
+        holder = self.tasks.get(slot)
+        if holder is not None and holder.task.request_id != request_id:
+            self.counts["fenced"] += 1
+            return False, 0, True
+        removed = self.tasks.pop(slot, None) is not None
+        if removed:
+            self.counts["finished"] += 1
+            self._change(slot)
+        early = self._early.get(slot)
+        dropped = early is not None and early.signal.request_id in (None, request_id)
+        if dropped:
+            self._end(slot, "finish_dropped")
+            self._change(slot)
+        return removed, int(dropped), False
+
+    def expire(self, now_ms: int) -> None:
+        """The local sweep: early signals whose deadline has passed end as ``expired``."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now_ms:
+            _deadline, _seq, slot, early = heapq.heappop(deadlines)
+            if self._early.get(slot) is early:
+                self._end(slot, "expired")
+                self._change(slot)
+
+    def pending_here(self) -> int:
+        """Early signals Redis has not been told about yet."""
+        return sum(1 for slot, early in self._early.items() if self._redis_pending.get(slot) != early.stored)
+
+    # -- what Redis has not been told ---------------------------------------------------
+
+    def unwritten(self) -> bool:
+        return bool(self._changed) or any(self.counts.values())
+
+    def unwritten_counts(self) -> dict[str, int]:
+        """The counters' increments Redis does not hold yet (the batch in flight included),
+        ``recorded`` summed as Redis's readers sum it, and ``shared_taken``: signals Redis holds
+        that the process ended (their fate is counted once Redis hears of it)."""
+        counts = Counter({name: n for name, n in self.counts.items() if n})
+        taken = sum(1 for fate, _value in self._changed.values() if fate)
+        if self.in_flight is not None:
+            counts.update(self.in_flight.counts)
+            taken += sum(1 for state in self.in_flight.slots if state[6])
+        if counts["delivered"] or counts["buffered"]:
+            counts["recorded"] = counts["delivered"] + counts["buffered"]
+        if taken:
+            counts["shared_taken"] = taken
+        return {name: n for name, n in counts.items() if n}
+
+    def written(self) -> None:
+        """Redis confirmed the batch in flight."""
+        self.in_flight = None
+
+    def believed(self) -> tuple[int, int]:
+        """The tasks and pending signals Redis holds for the rank, as far as the process knows
+        (what ``apply`` reports after the last batch, unless Redis lost or kept others)."""
+        return sum(1 for holder in self._redis_holder.values() if holder), len(self._redis_pending)
+
+    def take(self, every_slot: bool = False, also: range = range(0)) -> Batch:
+        """Everything not yet sent, as one ``apply`` call's content; from now on the process
+        counts on Redis holding it (the writer sends it until Redis has it). ``every_slot``:
+        also the slots that did not change (after Redis may have lost them: a restart);
+        ``also``: these slots too (every slot of the rank, when Redis holds what the process
+        does not know of)."""
+        slots = set(self._changed) | set(also)
+        if every_slot:
+            slots |= set(self.tasks) | set(self._early) | {s for s, h in self._redis_holder.items() if h}
+        states: list[SlotState] = []
+        for slot in sorted(slots):
+            fate, value = self._changed.get(slot, ("", ""))
+            holder = self.tasks.get(slot)
+            prior = self._redis_holder.get(slot, UNKNOWN)
+            if holder is None:
+                lease = doc = recovery = ""
+                self._redis_holder[slot] = ""
+            else:
+                task = holder.task
+                lease = f"{holder.registered_at_ms + self.task_ttl_ms:016d}|{task.request_id}"
+                doc, recovery = encode_task(task), holder.recovery
+                self._redis_holder[slot] = task.request_id
+            early = self._early.get(slot)
+            pending = early.stored if early is not None else ""
+            if early is None:
+                self._redis_pending.pop(slot, None)
+            else:
+                self._redis_pending[slot] = pending
+            states.append((str(slot), prior, lease, doc, recovery, pending, fate, value))
+        batch = Batch({name: n for name, n in self.counts.items() if n}, states, self.decisions, len(also) > 0)
+        self.in_flight = batch
+        self.counts.clear()
+        self._changed.clear()
+        self.decisions = 0
+        return batch
+
+    def adopt(self, pending: dict[int, str], holders: dict[int, str], now_ms: int) -> None:
+        """At start, what an earlier process of this rank left in Redis: its early signals
+        become this process's (a signal survives a restart of the messager); its tasks are no
+        task of this process, so their slots are marked changed (the process's state wins:
+        apply removes them and counts each as overridden)."""
+        for slot, stored in pending.items():
+            if slot in self._early or slot in self.tasks:
+                continue
+            tokens, request_id, _recorded_at, deadline = stored.split(",")
+            signal = EarlySignal(int(tokens), int(deadline), shared=True, request_id=request_id or None)
+            early = Early(signal, stored)
+            self._early[slot] = early
+            self._redis_pending[slot] = stored
+            self._push(slot, early)
+        for slot in holders:
+            if slot not in self.tasks:
+                self._redis_holder[slot] = ""  # none of this process's: found there, counted overridden
+                self._change(slot)
+        self.expire(now_ms)
+
+    # -- inside -------------------------------------------------------------------------
+
+    def _push(self, slot: int, early: Early) -> None:
+        """Queue an early signal for the local sweep. Ended ones stay queued until their
+        deadline; once they outnumber the live ones the queue is rebuilt from the live ones, so
+        it stays bounded by the slots too."""
+        self._sequence += 1
+        heapq.heappush(self._deadlines, (early.signal.deadline_ms, self._sequence, slot, early))
+        if len(self._deadlines) > 2 * len(self._early) + 64:
+            self._deadlines = [entry for entry in self._deadlines if self._early.get(entry[2]) is entry[3]]
+            heapq.heapify(self._deadlines)
+
+    def held(self) -> int:
+        """Entries the rank's state holds (tasks, early signals, the sweep's queue, what is not
+        written yet): bounded by the slots, whatever an outage lasts."""
+        return len(self.tasks) + len(self._early) + len(self._deadlines) + len(self._changed) + len(self.counts)
+
+    def _change(self, slot: int) -> None:
+        self._changed.setdefault(slot, ("", ""))
+
+    def _end(self, slot: int, fate: str) -> None:
+        """The slot's early signal ends as ``fate``: counted now if Redis never heard of it,
+        else by apply, once, if Redis still holds it."""
+        early = self._early.pop(slot, None)
+        if early is None:
+            return
+        if self._redis_pending.get(slot) == early.stored:
+            self._changed[slot] = (fate, early.stored)
+        else:
+            self.counts[fate] += 1
+            self._change(slot)
