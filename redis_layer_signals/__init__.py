@@ -13,6 +13,7 @@ from .errors import (
     InvalidConfig,
     InvalidSignal,
     InvalidTask,
+    NoPermissionError,
     SignalBufferError,
     SlotOccupied,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidSignal",
     "InvalidTask",
     "LayerSignal",
+    "NoPermissionError",
     "RecordResult",
     "RegisterResult",
     "SignalBuffer",

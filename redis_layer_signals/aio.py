@@ -15,6 +15,7 @@ from .base import BufferBase
 from .counters import sum_stats
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .permissions import ServerRefused, from_server, refused
 from .protocol import Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
@@ -45,29 +46,29 @@ class AsyncSignalBuffer(BufferBase):
 
     async def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         keys = self.protocol.slot_keys(instance, rank, slot)
-        stored = await self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS))
+        stored = await self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS), "hget")
         layers = pending_layers(stored)
         if not layers:
             return []
         fields = slot_signal_fields(slot, layers)
-        values = await self._retrying("pending", lambda: self.client.hmget(keys.pending, fields))
+        values = await self._retrying("pending", lambda: self.client.hmget(keys.pending, fields), "hmget")
         return parse_pending(instance, rank, slot, layers, values)
 
     async def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         keys = self.protocol.slot_keys(instance, rank, slot)
         fields = task_fields(slot)
-        holder, document = await self._retrying("task", lambda: self.client.hmget(keys.live, fields))
+        holder, document = await self._retrying("task", lambda: self.client.hmget(keys.live, fields), "hmget")
         return decode_task(instance, rank, slot, holder, document, await self.now_ms())
 
     async def now_ms(self) -> int:
         if self.protocol.clock is not None:
             return int(self.protocol.clock())
-        seconds, micros = await self._retrying("time", self.client.time)
+        seconds, micros = await self._retrying("time", self.client.time, "time")
         return int(seconds) * 1000 + int(micros) // 1000
 
     async def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
         found = set()
-        for key in await self._retrying("scan", partial(self._scan, self.protocol.keys.pattern(kind))):
+        for key in await self._retrying("scan", partial(self._scan, self.protocol.keys.pattern(kind)), "scan"):
             owner = self.protocol.keys.owner(key)
             if owner is not None:
                 found.add(owner)
@@ -82,7 +83,7 @@ class AsyncSignalBuffer(BufferBase):
         for instance, rank in await self.ranks("expiry"):
             call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
             while True:
-                expired = int(await self._retrying("sweep", partial(self._run_script, call)))
+                expired = int(await self._retrying("sweep", partial(self._send, "sweep", call)))
                 total += expired
                 if expired == 0:
                     break
@@ -91,8 +92,8 @@ class AsyncSignalBuffer(BufferBase):
     async def stats(self, sweep: bool = True) -> dict[str, int]:
         if sweep:
             await self.sweep()
-        keys = await self._retrying("stats", partial(self._scan, self.protocol.keys.pattern("stats")))
-        return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
+        keys = await self._retrying("stats", partial(self._scan, self.protocol.keys.pattern("stats")), "scan")
+        return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key), "hgetall") for key in keys])
 
     async def close(self) -> None:
         if self._direct is not None:
@@ -105,7 +106,7 @@ class AsyncSignalBuffer(BufferBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run_script(self, call: ScriptCall) -> Any:
+    async def _call_function(self, call: ScriptCall) -> Any:
         """One FCALL; on "Function not found" load the library and resend (see SignalBuffer)."""
         function = FUNCTIONS[call.script]
         direct = self._direct
@@ -127,13 +128,21 @@ class AsyncSignalBuffer(BufferBase):
                 raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
             raise
 
-    async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]]) -> T:
-        """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""
+    _run_script = _call_function
+    """The operations' path (tests wrap it to lose replies); the permission check calls
+    :meth:`_call_function` itself."""
+
+    async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]], sent: str = "fcall") -> T:
+        """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out;
+        ``sent`` names the command for a refused key (see SignalBuffer._retrying)."""
         started = time.monotonic()
         try:
-            return await action()
-        except RETRYABLE as exc:
-            return await self._resend(operation, action, started, exc)
+            try:
+                return await action()
+            except RETRYABLE as exc:
+                return await self._resend(operation, action, started, exc)
+        except ServerRefused as exc:
+            raise from_server(operation, exc, sent) from exc
 
     async def _resend(
         self, operation: str, action: Callable[[], Awaitable[T]], started: float, error: BaseException
@@ -141,6 +150,7 @@ class AsyncSignalBuffer(BufferBase):
         """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend)."""
         attempts = Attempts(operation, self.config.retry_s, started)
         while True:
+            self._allowed.clear()  # the resend may reach another node, or a new connection
             await asyncio.sleep(attempts.next_delay(error))
             try:
                 return await action()
@@ -157,9 +167,12 @@ class AsyncSignalBuffer(BufferBase):
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
         try:
-            reply = await self._send(operation, call)
-        except RETRYABLE as exc:
-            reply = await self._resend(operation, partial(self._send, operation, call), started, exc)
+            try:
+                reply = await self._send(operation, call)
+            except RETRYABLE as exc:
+                reply = await self._resend(operation, partial(self._send, operation, call), started, exc)
+        except ServerRefused as exc:
+            raise from_server(operation, exc, "fcall") from exc
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
@@ -168,7 +181,16 @@ class AsyncSignalBuffer(BufferBase):
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
     async def _send(self, operation: str, call: ScriptCall) -> Any:
+        if call.keys[0] not in self._allowed:
+            await self._allow(operation, call)
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
             return await replication.async_run_and_wait(self.client, call, operation, wanted, timeout_ms)
         return await self._run_script(call)
+
+    async def _allow(self, operation: str, call: ScriptCall) -> None:
+        """Check the rank's permissions before its first call (see :mod:`.permissions`)."""
+        failure = refused(operation, await self._call_function(self.protocol.permissions(call)))
+        if failure is not None:
+            raise failure
+        self._allowed.add(call.keys[0])

@@ -64,6 +64,9 @@ class BufferBase:
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
         self._direct = self.direct_calls(client)
+        self._allowed: set[str] = set()
+        """The first key of each rank whose permissions were checked since the last reconnect
+        (see :mod:`.permissions`)."""
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:

@@ -65,3 +65,20 @@ class BufferUnavailable(SignalBufferError):
         self.operation = operation
         self.retry_s = retry_s
         super().__init__(f"{operation}: Redis unavailable after retrying for {retry_s:g}s: {cause}")
+
+
+class NoPermissionError(SignalBufferError):
+    """The server's ACL refuses the caller a command this call needs (not retried). Nothing was
+    written: the buffers ask the server whether every command of a rank's functions is allowed
+    before their first call that could write (see ``lua/permissions.lua``). ``command`` is the
+    refused command (``hset``, ``fcall``, ``function|load``...); ``__cause__`` the server's error
+    when it refused one itself."""
+
+    def __init__(self, operation: str, command: str, detail: str = "") -> None:
+        self.operation = operation
+        self.command = command
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(
+            f"{operation}: the Redis user may not run {command!r}{suffix}; grant it "
+            "(redis_layer_signals.acl.rules() lists what the library needs)"
+        )

@@ -33,9 +33,11 @@ from .errors import SignalBufferError
 
 LIBRARY_NAME = "rls_v2"
 OPERATIONS = ("record", "register", "finish", "sweep")
-FILES = ("_lib.lua", *(f"{operation}.lua" for operation in OPERATIONS))
-FUNCTIONS = {operation: f"{LIBRARY_NAME}_{operation}" for operation in OPERATIONS}
-"""The function each operation calls."""
+CHECKS = ("permissions",)
+"""Functions that write nothing and that the buffers call before an operation's first call."""
+FILES = ("_lib.lua", *(f"{name}.lua" for name in (*OPERATIONS, *CHECKS)))
+FUNCTIONS = {name: f"{LIBRARY_NAME}_{name}" for name in (*OPERATIONS, *CHECKS)}
+"""The function each operation (and check) calls."""
 
 _MISSING = "function not found"
 

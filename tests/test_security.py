@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import redis
 from redis.cluster import key_slot
-from redis.exceptions import NoPermissionError
 
 from redis_layer_signals import (
     AsyncSignalBuffer,
@@ -25,6 +24,7 @@ from redis_layer_signals import (
     InvalidConfig,
     InvalidSignal,
     InvalidTask,
+    NoPermissionError,
     SignalBuffer,
     acl,
 )
@@ -130,7 +130,7 @@ def test_library_works_under_the_least_privilege_acl(redis_server: RedisServer, 
     # ...and nothing more: no FLUSHALL, no CONFIG, no keys outside rls:*.
     direct = redis.Redis(host="127.0.0.1", port=redis_server.port, username=user, password=PASSWORD)
     for forbidden in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("GET", "other:key"), ("KEYS", "*")):
-        with pytest.raises(NoPermissionError):
+        with pytest.raises(redis.exceptions.NoPermissionError):
             direct.execute_command(*forbidden)
     direct.close()
     buf.close()
