@@ -48,7 +48,12 @@ def cli_reference() -> str:
     for name in root.list_commands(context):
         command = root.get_command(context, name)
         assert command is not None, name
-        parts.append(command_reference(name, command, command.context_class(command, info_name=name, parent=context)))
+        sub_context = command.context_class(command, info_name=name, parent=context)
+        parts.append(command_reference(name, command, sub_context))
+        for sub in getattr(command, "list_commands", lambda _: [])(sub_context):  # a group: rls library ...
+            inner = command.get_command(sub_context, sub)
+            inner_context = inner.context_class(inner, info_name=sub, parent=sub_context)
+            parts.append(command_reference(f"{name} {sub}", inner, inner_context))
     return "\n".join(parts)
 
 

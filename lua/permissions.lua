@@ -1,4 +1,4 @@
--- permissions.lua: FCALL rls_v2_permissions, whether the calling user may run every command the
+-- permissions.lua: FCALL rls_v2_permissions_<digest>, whether the calling user may run every command the
 -- other functions of this library may run, on one rank's keys. It writes nothing.
 --
 -- keys[1] live     hash    (see _lib.lua)
@@ -52,4 +52,4 @@ local function permissions(keys, args)
   return ''
 end
 
-redis.register_function{function_name = 'rls_v2_permissions', callback = permissions, flags = {'no-writes'}}
+redis.register_function{function_name = 'rls_v2_permissions_' .. DIGEST, callback = permissions, flags = {'no-writes'}}

@@ -19,7 +19,7 @@ from .permissions import ServerRefused, from_server, refused
 from .protocol import Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
-from .scripts import FUNCTIONS, LibraryMissing, async_load_library, function_missing
+from .scripts import FUNCTIONS, LibraryMissing, async_ensure_library, function_missing
 
 T = TypeVar("T")
 
@@ -120,7 +120,7 @@ class AsyncSignalBuffer(BufferBase):
         except ResponseError as exc:
             if not function_missing(exc):
                 raise
-        await async_load_library(self.client)
+        await async_ensure_library(self.client, call.keys[0])
         try:
             return await send()
         except ResponseError as exc:

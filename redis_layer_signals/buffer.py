@@ -19,7 +19,7 @@ from .permissions import ServerRefused, from_server, refused
 from .protocol import Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
-from .scripts import FUNCTIONS, LibraryMissing, function_missing, load_library
+from .scripts import FUNCTIONS, LibraryMissing, ensure_library, function_missing
 
 T = TypeVar("T")
 
@@ -145,7 +145,7 @@ class SignalBuffer(BufferBase):
         except ResponseError as exc:
             if not function_missing(exc):
                 raise
-        load_library(self.client)
+        ensure_library(self.client, call.keys[0])
         try:
             return send()
         except ResponseError as exc:

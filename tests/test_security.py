@@ -228,3 +228,16 @@ def test_every_key_of_a_rank_carries_exactly_its_own_hash_tag(namespace: str) ->
                 assert space.owner(key) == (instance, rank)
             assert tag not in seen
             seen[tag] = (instance, rank)
+
+
+def test_docs_show_the_tenant_and_operator_rules_the_library_defines() -> None:
+    text = (LUA_DIR.parent / "docs" / "operations" / "topologies.md").read_text()
+    assert "ACL SETUSER rls-tenant-a on >PASSWORD " + " ".join(acl.rules("tenant-a", role="tenant")) in text
+    assert "ACL SETUSER rls-operator on >PASSWORD " + " ".join(acl.rules(role="operator")) in text
+    assert "+function|load" not in " ".join(acl.rules("tenant-a", role="tenant"))
+
+
+def test_acl_roles_are_checked() -> None:
+    with pytest.raises(InvalidConfig) as bad:
+        acl.rules(role="admin")
+    assert bad.value.field == "role"
