@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from functools import partial
+from functools import partial, wraps
 from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
@@ -13,6 +13,8 @@ from redis.exceptions import ResponseError
 from . import connection, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .deadline import async_timeout, call_deadline
+from .errors import BufferUnavailable
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .permissions import ServerRefused, from_server, refused
@@ -22,6 +24,21 @@ from .retry import RETRYABLE, Attempts
 from .scripts import FUNCTIONS, LibraryMissing, async_ensure_library, function_missing
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def whole_call(method: F) -> F:
+    """Bound a read of several round trips by one timeout, ``retry_s`` (see :mod:`.deadline`)."""
+
+    @wraps(method)
+    async def bounded(self: AsyncSignalBuffer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async with async_timeout(self.config.retry_s):
+                return await method(self, *args, **kwargs)
+        except asyncio.TimeoutError as exc:
+            raise BufferUnavailable(method.__name__, self.config.retry_s, exc) from exc
+
+    return bounded  # type: ignore[return-value]
 
 
 class AsyncSignalBuffer(BufferBase):
@@ -44,6 +61,7 @@ class AsyncSignalBuffer(BufferBase):
     async def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
         return await self._execute(self.protocol.finish(instance, rank, slot, request_id))
 
+    @whole_call
     async def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         keys = self.protocol.slot_keys(instance, rank, slot)
         stored = await self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS), "hget")
@@ -54,6 +72,7 @@ class AsyncSignalBuffer(BufferBase):
         values = await self._retrying("pending", lambda: self.client.hmget(keys.pending, fields), "hmget")
         return parse_pending(instance, rank, slot, layers, values)
 
+    @whole_call
     async def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         keys = self.protocol.slot_keys(instance, rank, slot)
         fields = task_fields(slot)
@@ -66,6 +85,7 @@ class AsyncSignalBuffer(BufferBase):
         seconds, micros = await self._retrying("time", self.client.time, "time")
         return int(seconds) * 1000 + int(micros) // 1000
 
+    @whole_call
     async def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
         found = set()
         for key in await self._retrying("scan", partial(self._scan, self.protocol.keys.pattern(kind)), "scan"):
@@ -78,6 +98,7 @@ class AsyncSignalBuffer(BufferBase):
         """One whole SCAN walk; a walk cut short by a fault is started again by the caller."""
         return [key async for key in self.client.scan_iter(match=pattern, count=1000)]
 
+    @whole_call
     async def sweep(self) -> int:
         total = 0
         for instance, rank in await self.ranks("expiry"):
@@ -89,6 +110,7 @@ class AsyncSignalBuffer(BufferBase):
                     break
         return total
 
+    @whole_call
     async def stats(self, sweep: bool = True) -> dict[str, int]:
         if sweep:
             await self.sweep()
@@ -137,12 +159,15 @@ class AsyncSignalBuffer(BufferBase):
         ``sent`` names the command for a refused key (see SignalBuffer._retrying)."""
         started = time.monotonic()
         try:
-            try:
-                return await action()
-            except RETRYABLE as exc:
-                return await self._resend(operation, action, started, exc)
+            async with async_timeout(self.config.retry_s):
+                try:
+                    return await action()
+                except RETRYABLE as exc:
+                    return await self._resend(operation, action, started, exc)
         except ServerRefused as exc:
             raise from_server(operation, exc, sent) from exc
+        except asyncio.TimeoutError as exc:  # the bound on the whole call (see deadline.py)
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
 
     async def _resend(
         self, operation: str, action: Callable[[], Awaitable[T]], started: float, error: BaseException
@@ -155,7 +180,7 @@ class AsyncSignalBuffer(BufferBase):
             try:
                 return await action()
             except RETRYABLE as exc:
-                error = exc
+                error = attempts.keep(error, exc)
 
     async def _execute(self, prepared: Prepared[T]) -> T:
         """Send once inline, resend only after a retryable error (see SignalBuffer._execute)."""
@@ -166,17 +191,32 @@ class AsyncSignalBuffer(BufferBase):
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
+        # The call's deadline: a plain client reads each reply within it; the others get one
+        # timeout over the whole call, resends included (see deadline.py).
+        token = call_deadline.set(started + self.config.retry_s)
         try:
-            try:
-                reply = await self._send(operation, call)
-            except RETRYABLE as exc:
-                reply = await self._resend(operation, partial(self._send, operation, call), started, exc)
+            if self._direct is not None:
+                reply = await self._attempts(operation, call, started)
+            else:
+                async with async_timeout(self.config.retry_s):
+                    reply = await self._attempts(operation, call, started)
         except ServerRefused as exc:
             raise from_server(operation, exc, "fcall") from exc
+        except asyncio.TimeoutError as exc:
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            call_deadline.reset(token)
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
         return result
+
+    async def _attempts(self, operation: str, call: ScriptCall, started: float) -> Any:
+        """Send once inline; resend only after a retryable error, the same call (same token)."""
+        try:
+            return await self._send(operation, call)
+        except RETRYABLE as exc:
+            return await self._resend(operation, partial(self._send, operation, call), started, exc)
 
     # -- replication option (wait_replicas): see replication.py --------------------------------
 

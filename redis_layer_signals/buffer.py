@@ -5,23 +5,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
+from functools import partial, wraps
 from typing import Any, TypeVar
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisClusterException, ResponseError
 
-from . import connection, replication, wire
+from . import connection, deadline, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .errors import BufferUnavailable
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .permissions import ServerRefused, from_server, refused
 from .protocol import Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
-from .retry import RETRYABLE, Attempts
+from .retry import RETRYABLE, Attempts, cut_by_deadline
 from .scripts import FUNCTIONS, LibraryMissing, ensure_library, function_missing
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def whole_call(method: F) -> F:
+    """Bound a read made of several round trips (``pending``, ``stats``...) by one deadline,
+    ``retry_s`` from its start, like a single call (see :mod:`.deadline`)."""
+
+    @wraps(method)
+    def bounded(self: SignalBuffer, *args: Any, **kwargs: Any) -> Any:
+        previous = deadline.bounded(time.monotonic() + self.config.retry_s)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            deadline.release(previous)
+
+    return bounded  # type: ignore[return-value]
 
 
 class SignalBuffer(BufferBase):
@@ -56,6 +73,7 @@ class SignalBuffer(BufferBase):
 
     # -- reads -----------------------------------------------------------------------------
 
+    @whole_call
     def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         """The slot's buffered signals, ordered by layer (read-only)."""
         keys = self.protocol.slot_keys(instance, rank, slot)
@@ -68,6 +86,7 @@ class SignalBuffer(BufferBase):
         values = self._retrying("pending", lambda: self.client.hmget(keys.pending, fields), "hmget")
         return parse_pending(instance, rank, slot, layers, values)
 
+    @whole_call
     def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         """The slot's live task, or None (read-only)."""
         keys = self.protocol.slot_keys(instance, rank, slot)
@@ -83,6 +102,7 @@ class SignalBuffer(BufferBase):
         seconds, micros = self._retrying("time", self.client.time, "time")
         return int(seconds) * 1000 + int(micros) // 1000
 
+    @whole_call
     def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
         """Every (instance, rank) with a ``kind`` key in this namespace (SCAN, never KEYS).
 
@@ -97,6 +117,7 @@ class SignalBuffer(BufferBase):
                 found.add(owner)
         return sorted(found)
 
+    @whole_call
     def sweep(self) -> int:
         """Count and remove expired pending signals on every rank of the namespace."""
         total = 0
@@ -109,6 +130,7 @@ class SignalBuffer(BufferBase):
                     break
         return total
 
+    @whole_call
     def stats(self, sweep: bool = True) -> dict[str, int]:
         """The namespace's counters, summed over its ranks; sweeps expiries first by default."""
         if sweep:
@@ -162,6 +184,7 @@ class SignalBuffer(BufferBase):
         A refusal by the ACL is ours (``NoPermissionError``); ``sent`` names the command when
         the server does not (a refused key)."""
         started = time.monotonic()
+        previous = deadline.bounded(started + self.config.retry_s)
         try:
             try:
                 return action()
@@ -169,6 +192,12 @@ class SignalBuffer(BufferBase):
                 return self._resend(operation, action, started, exc)
         except ServerRefused as exc:
             raise from_server(operation, exc, sent) from exc
+        except RedisClusterException as exc:
+            if not cut_by_deadline():
+                raise
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            deadline.release(previous)
 
     def _resend(self, operation: str, action: Callable[[], T], started: float, error: BaseException) -> T:
         """The retry loop, entered only after a first attempt failed with ``error``: the common
@@ -180,7 +209,7 @@ class SignalBuffer(BufferBase):
             try:
                 return action()
             except RETRYABLE as exc:
-                error = exc
+                error = attempts.keep(error, exc)
 
     def _execute(self, prepared: Prepared[T]) -> T:
         """Send a prepared call and parse its reply. The first send is made inline (no closure,
@@ -193,6 +222,8 @@ class SignalBuffer(BufferBase):
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
+        # Every socket operation of the call waits at most until its deadline (see deadline.py).
+        previous = deadline.bounded(started + self.config.retry_s)
         try:
             try:
                 reply = self._send(operation, call)
@@ -200,6 +231,12 @@ class SignalBuffer(BufferBase):
                 reply = self._resend(operation, partial(self._send, operation, call), started, exc)
         except ServerRefused as exc:
             raise from_server(operation, exc, "fcall") from exc
+        except RedisClusterException as exc:  # a slot map refresh the deadline cut short
+            if not cut_by_deadline():
+                raise
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            deadline.release(previous)
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
