@@ -85,7 +85,6 @@ class AsyncSignalBuffer(BufferBase):
         seconds, micros = await self._retrying("time", self.client.time, "time")
         return int(seconds) * 1000 + int(micros) // 1000
 
-    @whole_call
     async def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
         found = set()
         for key in await self._retrying("scan", partial(self._scan, self.protocol.keys.pattern(kind)), "scan"):
@@ -98,7 +97,6 @@ class AsyncSignalBuffer(BufferBase):
         """One whole SCAN walk; a walk cut short by a fault is started again by the caller."""
         return [key async for key in self.client.scan_iter(match=pattern, count=1000)]
 
-    @whole_call
     async def sweep(self) -> int:
         total = 0
         for instance, rank in await self.ranks("expiry"):
@@ -110,7 +108,6 @@ class AsyncSignalBuffer(BufferBase):
                     break
         return total
 
-    @whole_call
     async def stats(self, sweep: bool = True) -> dict[str, int]:
         if sweep:
             await self.sweep()

@@ -27,8 +27,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def whole_call(method: F) -> F:
-    """Bound a read made of several round trips (``pending``, ``stats``...) by one deadline,
-    ``retry_s`` from its start, like a single call (see :mod:`.deadline`)."""
+    """Bound a read of a few round trips (``pending``, ``task``) by one deadline, ``retry_s``
+    from its start, like a single call (see :mod:`.deadline`). Reads whose round trips grow
+    with the namespace (``ranks``, ``sweep``, ``stats``) bound each round trip instead."""
 
     @wraps(method)
     def bounded(self: SignalBuffer, *args: Any, **kwargs: Any) -> Any:
@@ -102,7 +103,6 @@ class SignalBuffer(BufferBase):
         seconds, micros = self._retrying("time", self.client.time, "time")
         return int(seconds) * 1000 + int(micros) // 1000
 
-    @whole_call
     def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
         """Every (instance, rank) with a ``kind`` key in this namespace (SCAN, never KEYS).
 
@@ -117,7 +117,6 @@ class SignalBuffer(BufferBase):
                 found.add(owner)
         return sorted(found)
 
-    @whole_call
     def sweep(self) -> int:
         """Count and remove expired pending signals on every rank of the namespace."""
         total = 0
@@ -130,7 +129,6 @@ class SignalBuffer(BufferBase):
                     break
         return total
 
-    @whole_call
     def stats(self, sweep: bool = True) -> dict[str, int]:
         """The namespace's counters, summed over its ranks; sweeps expiries first by default."""
         if sweep:
