@@ -116,10 +116,7 @@ def build_digest(code: str) -> str:
 
 def test_an_rls_v2_that_reports_no_digest_is_refused_and_left_in_place(server: RedisServer) -> None:
     admin = server.client()
-    foreign = (
-        "#!lua name=rls_v2\n"
-        "redis.register_function('rls_v2_record', function(keys, args) return 'ok' end)\n"
-    )
+    foreign = "#!lua name=rls_v2\nredis.register_function('rls_v2_record', function(keys, args) return 'ok' end)\n"
     admin.function_load(foreign)
     namespace = f"n-{uuid.uuid4().hex[:6]}"
     buf = SignalBuffer.from_url(server.url, namespace=namespace, env={}, retry_s=1)
