@@ -1,4 +1,4 @@
--- apply.lua: FCALL rls_v2_apply, write what the one process that owns an instance and rank
+-- apply.lua: FCALL rls_v2_apply_<digest>, write what the one process that owns an instance and rank
 -- decided (the FastDeploy bridge with registers_tasks): each listed slot's state as it is in
 -- that process now, and the counters its decisions advanced.
 --
@@ -113,4 +113,4 @@ local function apply(keys, args)
   return remember_reply(reply_key, reply, args[7])
 end
 
-redis.register_function('rls_v2_apply', apply)
+redis.register_function('rls_v2_apply_' .. DIGEST, apply)

@@ -1,4 +1,4 @@
--- finish.lua: FCALL rls_v2_finish, release a slot when its request is done (or aborted),
+-- finish.lua: FCALL rls_v2_finish_<digest>, release a slot when its request is done (or aborted),
 -- fenced by request id.
 --
 -- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>";
@@ -78,4 +78,4 @@ local function finish(keys, args)
   return remember_reply(reply_key, head .. removed .. ',' .. #doomed .. ',0', args[4])
 end
 
-redis.register_function{function_name = 'rls_v2_finish', callback = finish, flags = {'allow-oom'}}
+redis.register_function{function_name = 'rls_v2_finish_' .. DIGEST, callback = finish, flags = {'allow-oom'}}

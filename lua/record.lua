@@ -1,4 +1,4 @@
--- record.lua: FCALL rls_v2_record, deliver or buffer one batch of layer signals of one
+-- record.lua: FCALL rls_v2_record_<digest>, deliver or buffer one batch of layer signals of one
 -- instance and rank.
 --
 -- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>"; '~' (see _lib.lua)
@@ -136,4 +136,4 @@ local function record(keys, args)
   return remember_reply(reply_key, 'ok|' .. fmt(now) .. '|' .. flags, args[5])
 end
 
-redis.register_function('rls_v2_record', record)
+redis.register_function('rls_v2_record_' .. DIGEST, record)

@@ -1,4 +1,4 @@
--- register.lua: FCALL rls_v2_register, make a cache task the holder of its slot and hand it the
+-- register.lua: FCALL rls_v2_register_<digest>, make a cache task the holder of its slot and hand it the
 -- slot's early signals.
 --
 -- keys[1] live     hash    slot -> "<lease deadline ms, 16 digits>|<request id>";
@@ -116,4 +116,4 @@ local function register(keys, args)
   return remember_reply(reply_key, status .. head .. payload, reply_ttl)
 end
 
-redis.register_function('rls_v2_register', register)
+redis.register_function('rls_v2_register_' .. DIGEST, register)

@@ -1,4 +1,4 @@
--- sweep.lua: FCALL rls_v2_sweep, count and remove the pending signals of one instance and rank
+-- sweep.lua: FCALL rls_v2_sweep_<digest>, count and remove the pending signals of one instance and rank
 -- whose TTL ran out.
 --
 -- keys[1] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
@@ -21,4 +21,4 @@ local function sweep_rank(keys, args)
   return sweep(keys[1], keys[2], keys[3], now_ms(args[1]), args[2])
 end
 
-redis.register_function{function_name = 'rls_v2_sweep', callback = sweep_rank, flags = {'allow-oom'}}
+redis.register_function{function_name = 'rls_v2_sweep_' .. DIGEST, callback = sweep_rank, flags = {'allow-oom'}}

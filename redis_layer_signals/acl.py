@@ -6,6 +6,12 @@ commands the Lua functions call as well as the ones the client sends. Keys are l
 one namespace's keys (``rls:{<namespace>/*``, the hash tag's opening): a user of namespace A
 can then neither read nor write namespace B. ``SCAN`` is not key-checked, so such a user can
 still see the names (not the contents) of other keys.
+
+Three roles (``role=``): ``owner``, a client with a server of its own, which loads the library
+itself where it is missing (``function|load``); ``tenant``, one of several clients sharing a
+server, which may not load functions: whoever may load functions can replace any library,
+and every other user then runs that code with its own permissions; and ``operator``, who
+loads the library once (``rls library load``) and checks it (``rls library status``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ SCRIPT_COMMANDS = (
 
 CLIENT_COMMANDS = (
     "fcall",
-    "function|load",  # after "Function not found" (restart without persistence, new node, FUNCTION FLUSH)
     "hget",
     "hmget",
     "hgetall",
@@ -47,6 +52,15 @@ CLIENT_COMMANDS = (
 )
 """Commands the buffers send themselves. redis-py also sends ``CLIENT SETINFO`` on connect
 (Redis 7.2+) and ignores a refusal, so it is left out."""
+
+LOAD_COMMANDS = ("function|load",)
+"""What an owner adds: loading the library after "Function not found" (a restart without
+persistence, a new node, FUNCTION FLUSH)."""
+
+OPERATOR_COMMANDS = ("fcall", "function|load", "function|list", "ping")
+"""What ``rls library load`` and ``rls library status`` send; the operator needs no keys."""
+
+ROLES = ("owner", "tenant", "operator")
 
 CLUSTER_COMMANDS = ("cluster|slots", "cluster|shards", "cluster|nodes", "command", "readonly", "asking")
 """What a Redis Cluster client needs to learn the slot map and follow ASK redirections."""
@@ -60,9 +74,18 @@ def key_pattern(namespace: str | None = None) -> str:
     return f"{KEY_PREFIX}:{{{namespace}/*"
 
 
-def rules(namespace: str | None = None, cluster: bool = False) -> list[str]:
-    """ACL rules for ``ACL SETUSER <user> on ><password> <rules...>`` (password not included)."""
-    commands = dict.fromkeys((*CLIENT_COMMANDS, *SCRIPT_COMMANDS, *(CLUSTER_COMMANDS if cluster else ())))
+def rules(namespace: str | None = None, cluster: bool = False, role: str = "owner") -> list[str]:
+    """ACL rules for ``ACL SETUSER <user> on ><password> <rules...>`` (password not included),
+    for one of :data:`ROLES` (see the module docstring)."""
+    if role not in ROLES:
+        raise InvalidConfig("role", role, f"must be one of {', '.join(ROLES)}")
+    cluster_commands = CLUSTER_COMMANDS if cluster else ()
+    if role == "operator":
+        commands = dict.fromkeys((*OPERATOR_COMMANDS, *cluster_commands))
+        return ["resetkeys", "resetchannels", "-@all", *(f"+{c}" for c in commands)]
+    loading = LOAD_COMMANDS if role == "owner" else ()
+    client = (CLIENT_COMMANDS[0], *loading, *CLIENT_COMMANDS[1:])
+    commands = dict.fromkeys((*client, *SCRIPT_COMMANDS, *cluster_commands))
     return ["resetkeys", f"~{key_pattern(namespace)}", "resetchannels", "-@all", *(f"+{c}" for c in commands)]
 
 

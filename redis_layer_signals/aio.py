@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from functools import partial
+from functools import partial, wraps
 from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, ResponseError
@@ -13,15 +13,32 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from . import connection, eviction, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .deadline import async_timeout, call_deadline
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .permissions import ServerRefused, from_server, refused
 from .protocol import Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts
-from .scripts import FUNCTIONS, LibraryMissing, async_load_library, function_missing
+from .scripts import FUNCTIONS, LibraryMissing, async_ensure_library, function_missing
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def whole_call(method: F) -> F:
+    """Bound a read of several round trips by one timeout, ``retry_s`` (see :mod:`.deadline`)."""
+
+    @wraps(method)
+    async def bounded(self: AsyncSignalBuffer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async with async_timeout(self.config.retry_s):
+                return await method(self, *args, **kwargs)
+        except asyncio.TimeoutError as exc:
+            raise BufferUnavailable(method.__name__, self.config.retry_s, exc) from exc
+
+    return bounded  # type: ignore[return-value]
 
 
 class AsyncSignalBuffer(BufferBase):
@@ -50,31 +67,33 @@ class AsyncSignalBuffer(BufferBase):
             self.owed.owe(prepared)  # sent again before the next call on the rank (see owed.py)
             raise
 
+    @whole_call
     async def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         keys = self.protocol.slot_keys(instance, rank, slot)
-        stored = await self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS))
+        stored = await self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS), "hget")
         layers = pending_layers(stored)
         if not layers:
             return []
         fields = slot_signal_fields(slot, layers)
-        values = await self._retrying("pending", lambda: self.client.hmget(keys.pending, fields))
+        values = await self._retrying("pending", lambda: self.client.hmget(keys.pending, fields), "hmget")
         return parse_pending(instance, rank, slot, layers, values)
 
+    @whole_call
     async def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         keys = self.protocol.slot_keys(instance, rank, slot)
         fields = task_fields(slot)
-        holder, document = await self._retrying("task", lambda: self.client.hmget(keys.live, fields))
+        holder, document = await self._retrying("task", lambda: self.client.hmget(keys.live, fields), "hmget")
         return decode_task(instance, rank, slot, holder, document, await self.now_ms())
 
     async def now_ms(self) -> int:
         if self.protocol.clock is not None:
             return int(self.protocol.clock())
-        seconds, micros = await self._retrying("time", self.client.time)
+        seconds, micros = await self._retrying("time", self.client.time, "time")
         return int(seconds) * 1000 + int(micros) // 1000
 
     async def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
         found = set()
-        for key in await self._retrying("scan", partial(self._scan, self.protocol.keys.pattern(kind))):
+        for key in await self._retrying("scan", partial(self._scan, self.protocol.keys.pattern(kind)), "scan"):
             owner = self.protocol.keys.owner(key)
             if owner is not None:
                 found.add(owner)
@@ -89,7 +108,7 @@ class AsyncSignalBuffer(BufferBase):
         for instance, rank in await self.ranks("expiry"):
             call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
             while True:
-                expired = int(await self._retrying("sweep", partial(self._run_script, call)))
+                expired = int(await self._retrying("sweep", partial(self._send, "sweep", call)))
                 total += expired
                 if expired == 0:
                     break
@@ -98,8 +117,8 @@ class AsyncSignalBuffer(BufferBase):
     async def stats(self, sweep: bool = True) -> dict[str, int]:
         if sweep:
             await self.sweep()
-        keys = await self._retrying("stats", partial(self._scan, self.protocol.keys.pattern("stats")))
-        return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
+        keys = await self._retrying("stats", partial(self._scan, self.protocol.keys.pattern("stats")), "scan")
+        return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key), "hgetall") for key in keys])
 
     async def server_policies(self) -> dict[str, str]:
         """Each server's ``maxmemory-policy``, read now (see SignalBuffer.server_policies)."""
@@ -124,7 +143,7 @@ class AsyncSignalBuffer(BufferBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run_script(self, call: ScriptCall) -> Any:
+    async def _call_function(self, call: ScriptCall) -> Any:
         """One FCALL; on "Function not found" load the library and resend (see SignalBuffer)."""
         function = FUNCTIONS[call.script]
         direct = self._direct
@@ -138,7 +157,7 @@ class AsyncSignalBuffer(BufferBase):
         except ResponseError as exc:
             if not function_missing(exc):
                 raise
-        await async_load_library(self.client)
+        await async_ensure_library(self.client, call.keys[0])
         try:
             return await send()
         except ResponseError as exc:
@@ -146,13 +165,24 @@ class AsyncSignalBuffer(BufferBase):
                 raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
             raise
 
-    async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]]) -> T:
-        """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""
+    _run_script = _call_function
+    """The operations' path (tests wrap it to lose replies); the permission check calls
+    :meth:`_call_function` itself."""
+
+    async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]], sent: str = "fcall") -> T:
+        """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out;
+        ``sent`` names the command for a refused key (see SignalBuffer._retrying)."""
         started = time.monotonic()
         try:
-            return await action()
-        except RETRYABLE as exc:
-            return await self._resend(operation, action, started, exc)
+            async with async_timeout(self.config.retry_s):
+                try:
+                    return await action()
+                except RETRYABLE as exc:
+                    return await self._resend(operation, action, started, exc)
+        except ServerRefused as exc:
+            raise from_server(operation, exc, sent) from exc
+        except asyncio.TimeoutError as exc:  # the bound on the whole call (see deadline.py)
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
 
     async def _resend(
         self, operation: str, action: Callable[[], Awaitable[T]], started: float, error: BaseException
@@ -160,11 +190,12 @@ class AsyncSignalBuffer(BufferBase):
         """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend)."""
         attempts = Attempts(operation, self.config.retry_s, started)
         while True:
+            self._allowed.clear()  # the resend may reach another node, or a new connection
             await asyncio.sleep(attempts.next_delay(error))
             try:
                 return await action()
             except RETRYABLE as exc:
-                error = exc
+                error = attempts.keep(error, exc)
                 self._server_unchecked = True  # a reconnect may reach another node
 
     async def _execute(self, prepared: Prepared[T]) -> T:
@@ -178,14 +209,23 @@ class AsyncSignalBuffer(BufferBase):
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
+        # The call's deadline: a plain client reads each reply within it; the others get one
+        # timeout over the whole call, resends included (see deadline.py).
+        token = call_deadline.set(started + self.config.retry_s)
         try:
-            try:
-                reply = await self._send(operation, call)
-            except RETRYABLE as exc:
-                self._server_unchecked = True  # a reconnect may reach another node
-                reply = await self._resend(operation, partial(self._send, operation, call), started, exc)
+            if self._direct is not None:
+                reply = await self._attempts(operation, call, started)
+            else:
+                async with async_timeout(self.config.retry_s):
+                    reply = await self._attempts(operation, call, started)
         except OutOfMemoryError as exc:
             raise ServerOutOfMemory(operation, exc) from exc
+        except ServerRefused as exc:
+            raise from_server(operation, exc, "fcall") from exc
+        except asyncio.TimeoutError as exc:
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            call_deadline.reset(token)
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
@@ -201,12 +241,29 @@ class AsyncSignalBuffer(BufferBase):
                 self.owed.give_back(key, owed[index:])
                 raise
 
+    async def _attempts(self, operation: str, call: ScriptCall, started: float) -> Any:
+        """Send once inline; resend only after a retryable error, the same call (same token)."""
+        try:
+            return await self._send(operation, call)
+        except RETRYABLE as exc:
+            self._server_unchecked = True  # a reconnect may reach another node
+            return await self._resend(operation, partial(self._send, operation, call), started, exc)
+
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
     async def _send(self, operation: str, call: ScriptCall) -> Any:
         if self._server_unchecked:
             await self._check_server()
+        if call.keys[0] not in self._allowed:
+            await self._allow(operation, call)
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
             return await replication.async_run_and_wait(self.client, call, operation, wanted, timeout_ms)
         return await self._run_script(call)
+
+    async def _allow(self, operation: str, call: ScriptCall) -> None:
+        """Check the rank's permissions before its first call (see :mod:`.permissions`)."""
+        failure = refused(operation, await self._call_function(self.protocol.permissions(call)))
+        if failure is not None:
+            raise failure
+        self._allowed.add(call.keys[0])

@@ -108,6 +108,9 @@ class BufferBase:
         """Each server's maxmemory-policy as last read (see :mod:`.eviction`)."""
         self.owed = OwedFinishes()
         """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
+        self._allowed: set[str] = set()
+        """The first key of each rank whose permissions were checked since the last reconnect
+        (see :mod:`.permissions`)."""
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:

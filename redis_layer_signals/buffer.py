@@ -5,23 +5,41 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
+from functools import partial, wraps
 from typing import Any, TypeVar
 
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
 
-from . import connection, eviction, replication, wire
+from . import connection, deadline, eviction, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .permissions import ServerRefused, from_server, refused
 from .protocol import Applied, Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
-from .retry import RETRYABLE, Attempts
-from .scripts import FUNCTIONS, LibraryMissing, function_missing, load_library
+from .retry import RETRYABLE, Attempts, cut_by_deadline
+from .scripts import FUNCTIONS, LibraryMissing, ensure_library, function_missing
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def whole_call(method: F) -> F:
+    """Bound a read of a few round trips (``pending``, ``task``) by one deadline, ``retry_s``
+    from its start, like a single call (see :mod:`.deadline`). Reads whose round trips grow
+    with the namespace (``ranks``, ``sweep``, ``stats``) bound each round trip instead."""
+
+    @wraps(method)
+    def bounded(self: SignalBuffer, *args: Any, **kwargs: Any) -> Any:
+        previous = deadline.bounded(time.monotonic() + self.config.retry_s)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            deadline.release(previous)
+
+    return bounded  # type: ignore[return-value]
 
 
 class SignalBuffer(BufferBase):
@@ -75,30 +93,33 @@ class SignalBuffer(BufferBase):
 
     # -- reads -----------------------------------------------------------------------------
 
+    @whole_call
     def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
         """The slot's buffered signals, ordered by layer (read-only)."""
         keys = self.protocol.slot_keys(instance, rank, slot)
         # Two reads: the rank's layers, then the slot's field for each (a view, not a snapshot).
-        layers = pending_layers(self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS)))
+        stored = self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS), "hget")
+        layers = pending_layers(stored)
         if not layers:
             return []
         fields = slot_signal_fields(slot, layers)
-        values = self._retrying("pending", lambda: self.client.hmget(keys.pending, fields))
+        values = self._retrying("pending", lambda: self.client.hmget(keys.pending, fields), "hmget")
         return parse_pending(instance, rank, slot, layers, values)
 
+    @whole_call
     def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
         """The slot's live task, or None (read-only)."""
         keys = self.protocol.slot_keys(instance, rank, slot)
         # One read of the lease and the document; decode_task checks that they agree.
         fields = task_fields(slot)
-        holder, document = self._retrying("task", lambda: self.client.hmget(keys.live, fields))
+        holder, document = self._retrying("task", lambda: self.client.hmget(keys.live, fields), "hmget")
         return decode_task(instance, rank, slot, holder, document, self.now_ms())
 
     def now_ms(self) -> int:
         """The time the scripts use: the injected clock, else the server's."""
         if self.protocol.clock is not None:
             return int(self.protocol.clock())
-        seconds, micros = self._retrying("time", self.client.time)
+        seconds, micros = self._retrying("time", self.client.time, "time")
         return int(seconds) * 1000 + int(micros) // 1000
 
     def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
@@ -109,7 +130,7 @@ class SignalBuffer(BufferBase):
         """
         found = set()
         pattern = self.protocol.keys.pattern(kind)
-        for key in self._retrying("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000))):
+        for key in self._retrying("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000)), "scan"):
             owner = self.protocol.keys.owner(key)
             if owner is not None:
                 found.add(owner)
@@ -121,7 +142,7 @@ class SignalBuffer(BufferBase):
         for instance, rank in self.ranks("expiry"):
             call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
             while True:
-                expired = int(self._retrying("sweep", partial(self._run_script, call)))
+                expired = int(self._retrying("sweep", partial(self._send, "sweep", call)))
                 total += expired
                 if expired == 0:
                     break
@@ -132,8 +153,8 @@ class SignalBuffer(BufferBase):
         if sweep:
             self.sweep()
         pattern = self.protocol.keys.pattern("stats")
-        keys = self._retrying("stats", lambda: list(self.client.scan_iter(match=pattern, count=1000)))
-        return sum_stats([self._retrying("stats", partial(self.client.hgetall, key)) for key in keys])
+        keys = self._retrying("stats", lambda: list(self.client.scan_iter(match=pattern, count=1000)), "scan")
+        return sum_stats([self._retrying("stats", partial(self.client.hgetall, key), "hgetall") for key in keys])
 
     def server_policies(self) -> dict[str, str]:
         """Each server's ``maxmemory-policy`` (every primary of a Cluster), read now; anything
@@ -163,7 +184,7 @@ class SignalBuffer(BufferBase):
 
     # -- transport -------------------------------------------------------------------------
 
-    def _run_script(self, call: ScriptCall) -> Any:
+    def _call_function(self, call: ScriptCall) -> Any:
         """One FCALL; on "Function not found" (a restart without persistence, a new Cluster
         node, FUNCTION FLUSH) load the library and resend the same call (same token)."""
         function = FUNCTIONS[call.script]
@@ -178,7 +199,7 @@ class SignalBuffer(BufferBase):
         except ResponseError as exc:
             if not function_missing(exc):
                 raise
-        load_library(self.client)
+        ensure_library(self.client, call.keys[0])
         try:
             return send()
         except ResponseError as exc:
@@ -186,24 +207,41 @@ class SignalBuffer(BufferBase):
                 raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
             raise
 
-    def _retrying(self, operation: str, action: Callable[[], T]) -> T:
-        """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out."""
+    _run_script = _call_function
+    """The operations' path (tests wrap it to lose replies); the permission check calls
+    :meth:`_call_function` itself."""
+
+    def _retrying(self, operation: str, action: Callable[[], T], sent: str = "fcall") -> T:
+        """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out.
+        A refusal by the ACL is ours (``NoPermissionError``); ``sent`` names the command when
+        the server does not (a refused key)."""
         started = time.monotonic()
+        previous = deadline.bounded(started + self.config.retry_s)
         try:
-            return action()
-        except RETRYABLE as exc:
-            return self._resend(operation, action, started, exc)
+            try:
+                return action()
+            except RETRYABLE as exc:
+                return self._resend(operation, action, started, exc)
+        except ServerRefused as exc:
+            raise from_server(operation, exc, sent) from exc
+        except RedisClusterException as exc:
+            if not cut_by_deadline():
+                raise
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            deadline.release(previous)
 
     def _resend(self, operation: str, action: Callable[[], T], started: float, error: BaseException) -> T:
         """The retry loop, entered only after a first attempt failed with ``error``: the common
         call pays for no ``Attempts``. The budget counts from ``started``, the call's start."""
         attempts = Attempts(operation, self.config.retry_s, started)
         while True:
+            self._allowed.clear()  # the resend may reach another node, or a new connection
             time.sleep(attempts.next_delay(error))
             try:
                 return action()
             except RETRYABLE as exc:
-                error = exc
+                error = attempts.keep(error, exc)
                 self._server_unchecked = True  # a reconnect may reach another node
 
     def _execute(self, prepared: Prepared[T]) -> T:
@@ -219,15 +257,25 @@ class SignalBuffer(BufferBase):
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
-        deadline = started + self.config.retry_s
+        until = started + self.config.retry_s
+        # Every socket operation of the call waits at most until its deadline (see deadline.py).
+        previous = deadline.bounded(until)
         try:
             try:
-                reply = self._send(operation, call, deadline)
+                reply = self._send(operation, call, until)
             except RETRYABLE as exc:
                 self._server_unchecked = True  # a reconnect may reach another node
-                reply = self._resend(operation, partial(self._send, operation, call, deadline), started, exc)
+                reply = self._resend(operation, partial(self._send, operation, call, until), started, exc)
         except OutOfMemoryError as exc:
             raise ServerOutOfMemory(operation, exc) from exc
+        except ServerRefused as exc:
+            raise from_server(operation, exc, "fcall") from exc
+        except RedisClusterException as exc:  # a slot map refresh the deadline cut short
+            if not cut_by_deadline():
+                raise
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            deadline.release(previous)
         result = prepared.parse(reply)
         if observer is not None:
             observer(operation, time.perf_counter() - timer)
@@ -245,10 +293,19 @@ class SignalBuffer(BufferBase):
 
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
-    def _send(self, operation: str, call: ScriptCall, deadline: float) -> Any:
+    def _send(self, operation: str, call: ScriptCall, until: float) -> Any:
         if self._server_unchecked:
             self._check_server()
+        if call.keys[0] not in self._allowed:
+            self._allow(operation, call)
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
-            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms, deadline)
+            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms, until)
         return self._run_script(call)
+
+    def _allow(self, operation: str, call: ScriptCall) -> None:
+        """Check the rank's permissions before its first call (see :mod:`.permissions`)."""
+        failure = refused(operation, self._call_function(self.protocol.permissions(call)))
+        if failure is not None:
+            raise failure
+        self._allowed.add(call.keys[0])

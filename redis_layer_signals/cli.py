@@ -509,6 +509,71 @@ def metrics_command(
             server.shutdown()
 
 
+# -- library (the rls_v2 Functions library on the server) -------------------------------------
+
+library_app = typer.Typer(
+    help="The rls_v2 Functions library on the server: load it once (as the operator), check it.",
+    no_args_is_help=True,
+)
+app.add_typer(library_app, name="library")
+
+
+@library_app.command("load")
+def library_load_command(
+    redis: RedisUrl = DEFAULT_URL,
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Replace an rls_v2 built from other code (its clients then fail).")
+    ] = False,
+) -> None:
+    """Load this release's rls_v2 on the server (every primary of a Cluster) and print its digest.
+
+    Without --replace, a server that has another rls_v2 is left as it is and the command fails
+    naming both digests."""
+    from . import connection, scripts
+
+    client = connection.sync_client(redis, retry_s=5.0)
+    digest = scripts.library().digest
+    try:
+        for name, node in scripts.nodes(client):
+            if replace:
+                scripts.load_library(node, replace=True)
+                done = "loaded"
+            else:
+                done = "loaded" if scripts.ensure_library(node) else "already loaded"
+            typer.echo(f"{name}: {scripts.LIBRARY_NAME} {done}, digest {digest}")  # one line, never wrapped
+    finally:
+        client.close()
+
+
+@library_app.command("status")
+def library_status_command(redis: RedisUrl = DEFAULT_URL) -> None:
+    """Whether the server's rls_v2 (on every primary of a Cluster) is exactly this release's code.
+
+    Compares the code itself (FUNCTION LIST WITHCODE), not only the digest it reports; exits 1
+    when a node has none or other code."""
+    from . import connection, scripts
+
+    client = connection.sync_client(redis, retry_s=5.0)
+    ours = scripts.library()
+    failed = False
+    try:
+        for name, node in scripts.nodes(client):
+            code = scripts.served_code(node)
+            if code is None:
+                state = "missing"
+            elif code == ours.code:
+                state = f"this release's code, digest {ours.digest}"
+            else:
+                reported = scripts.served_digest(node)
+                state = f"OTHER code (it reports digest {reported or 'none'}; this release's is {ours.digest})"
+            failed = failed or code != ours.code
+            typer.echo(f"{name}: {scripts.LIBRARY_NAME} {state}")
+    finally:
+        client.close()
+    if failed:
+        raise typer.Exit(EXIT_FAILED)
+
+
 # -- bench (performance; logic in redis_layer_signals.bench) ----------------------------------
 
 

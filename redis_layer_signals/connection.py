@@ -6,7 +6,8 @@ buffer of the process); ``redis://``, ``rediss://`` (TLS) and ``unix://`` one se
 ``redis+cluster://[user:pass@]host:port[,host:port]`` a Redis Cluster.
 
 Clients made here answer in bytes, time out after ``retry_s`` and do not retry internally:
-the buffer's own retry loop owns the time bound and the idempotency tokens.
+the buffer's own retry loop owns the time bound and the idempotency tokens. Sync clients'
+sockets also wait at most until the deadline of the call in progress (:mod:`.deadline`).
 
 Sentinel: after ``SENTINEL FAILOVER`` the old primary keeps accepting writes until the
 sentinels reconfigure it (up to about 10 s later), and those writes are lost when it becomes a
@@ -25,6 +26,7 @@ from urllib.parse import parse_qs, unquote
 
 from redis.exceptions import ConnectionError, ResponseError
 
+from .deadline import with_deadline
 from .errors import InvalidConfig
 
 MEMORY = "memory"
@@ -125,24 +127,33 @@ def _client(url: str, retry_s: float, is_async: bool) -> Any:
 
     no_retry = import_module(f"{package}.retry").Retry(NoBackoff(), 0)
     if scheme in SINGLE_SCHEMES:
-        return import_module(package).Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
+        client = import_module(package).Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
+        if not is_async:  # each socket operation bounded by the call's deadline (deadline.py)
+            client.connection_pool.connection_class = with_deadline(client.connection_pool.connection_class)
+        return client
     if scheme == CLUSTER:
         cluster = import_module(f"{package}.cluster")
         parsed = parse_multi_host(url)
-        return cluster.RedisCluster(
+        client = cluster.RedisCluster(
             startup_nodes=[cluster.ClusterNode(host, port) for host, port in parsed.hosts],
             username=parsed.username,
             password=parsed.password,
             retry=no_retry,  # MOVED/ASK are still followed; errors come back to the buffer's loop
             **_timeouts(retry_s),
         )
+        if not is_async:
+            _bound_cluster_nodes(client)
+        return client
     if scheme == SENTINEL:
         parsed = parse_multi_host(url)
         service, db = _sentinel_target(url, parsed)
         sentinel = import_module(f"{package}.sentinel").Sentinel(
             parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s)
         )
-        connection_class = _async_primary_connection() if is_async else _sync_primary_connection()
+        connection_class = _async_primary_connection() if is_async else with_deadline(_sync_primary_connection())
+        if not is_async:  # asking the sentinels is bounded by the call's deadline too
+            for asked in sentinel.sentinels:
+                asked.connection_pool.connection_class = with_deadline(asked.connection_pool.connection_class)
         return sentinel.master_for(
             service,
             db=db,
@@ -152,6 +163,30 @@ def _client(url: str, retry_s: float, is_async: bool) -> Any:
             password=parsed.password,
         )
     raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
+
+
+def _bound_pool(redis_client: Any) -> Any:
+    """Give ``redis_client``'s pool connections bounded by the call's deadline; the ones it
+    made already (the cluster client's first CLUSTER SLOTS) are dropped, not closed."""
+    pool = redis_client.connection_pool
+    pool.connection_class = with_deadline(pool.connection_class)
+    pool.reset()
+    return redis_client
+
+
+def _bound_cluster_nodes(client: Any) -> None:
+    """A sync Cluster client makes one plain client per node, for the nodes it knows and for
+    each it learns of later; all of them get bounded connections (see :mod:`.deadline`)."""
+    manager = client.nodes_manager
+    for node in client.get_nodes():
+        if node.redis_connection is not None:
+            _bound_pool(node.redis_connection)
+    create = manager.create_redis_node
+
+    def create_bounded(host: str, port: int, **kwargs: Any) -> Any:
+        return _bound_pool(create(host, port, **kwargs))
+
+    manager.create_redis_node = create_bounded
 
 
 def _sync_primary_connection() -> type[Any]:

@@ -90,3 +90,36 @@ class ServerOutOfMemory(SignalBufferError):
         super().__init__(
             f"{operation}: Redis is out of memory (maxmemory reached, writes refused; nothing changed): {cause}"
         )
+
+
+class NoPermissionError(SignalBufferError):
+    """The server's ACL refuses the caller a command this call needs (not retried). Nothing was
+    written: the buffers ask the server whether every command of a rank's functions is allowed
+    before their first call that could write (see ``lua/permissions.lua``). ``command`` is the
+    refused command (``hset``, ``fcall``, ``function|load``...); ``__cause__`` the server's error
+    when it refused one itself."""
+
+    def __init__(self, operation: str, command: str, detail: str = "") -> None:
+        self.operation = operation
+        self.command = command
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(
+            f"{operation}: the Redis user may not run {command!r}{suffix}; grant it "
+            "(redis_layer_signals.acl.rules() lists what the library needs)"
+        )
+
+
+class LibraryMismatch(SignalBufferError):
+    """The server's ``rls_v2`` is other code than this client ships (another build, an edited
+    copy): refused, never called and never replaced. ``served`` is the digest it reports, or
+    None when it reports none (a build from before digests, or code that is no build of ours)."""
+
+    def __init__(self, ours: str, served: str | None) -> None:
+        self.ours = ours
+        self.served = served
+        theirs = served if served is not None else "none (its code reports no digest)"
+        super().__init__(
+            f"the server's rls_v2 library is not the code this client ships: digest {theirs}, "
+            f"this client's {ours}. Load this client's with `rls library load --replace` once no "
+            "client of the other build needs it, or run the matching release"
+        )

@@ -398,6 +398,16 @@ class Protocol:
     def sweep(self, keys: RankKeys) -> ScriptCall:
         return ScriptCall("sweep", [keys.pending, keys.expiry, keys.stats], [self._now(), self._sweep])
 
+    def permissions(self, call: ScriptCall) -> ScriptCall:
+        """The check of every command the rank's functions may run, on the keys of ``call``'s
+        rank (see ``lua/permissions.lua``): a refused one is found before anything is written."""
+        if call.script != "sweep":
+            return ScriptCall("permissions", call.keys[:5], [])
+        owner = self.keys.owner(call.keys[0])
+        assert owner is not None, call.keys[0]  # a sweep's keys are built by sweep() above
+        keys = self.keys.rank(*owner)
+        return ScriptCall("permissions", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply("check")], [])
+
     def slot_keys(self, instance: Any, rank: Any, slot: Any) -> RankKeys:
         keys = self.rank_keys(instance, rank, InvalidTask)
         validation.slot(slot, self.config.max_slots, InvalidTask)

@@ -34,7 +34,7 @@ from redis.exceptions import AskError, ConnectionError, MovedError, ResponseErro
 
 from .errors import InvalidConfig, SignalBufferError
 from .protocol import ScriptCall
-from .scripts import FUNCTIONS, LibraryMissing, async_load_library, function_missing, load_library
+from .scripts import FUNCTIONS, LibraryMissing, async_ensure_library, ensure_library, function_missing
 
 WAITED_OPERATIONS = ("record", "register", "finish")
 """Calls whose effects a caller acts on right away: worth a replica's confirmation. ``finish``
@@ -168,7 +168,7 @@ def _run_on(
 ) -> Any:
     results = _pipelined(client, call, wanted, timeout_ms, asking, deadline)
     if function_missing(results[-2]):
-        load_library(client)  # this node's own client: the node that answered
+        ensure_library(client)  # this node's own client: the node that answered
         results = _pipelined(client, call, wanted, timeout_ms, asking, deadline)
         _missing_again(operation, results)
     return _check(operation, results, wanted, timeout_ms)
@@ -187,7 +187,7 @@ async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, want
         raise InvalidConfig("wait_replicas", wanted, "is not supported on an asyncio Redis Cluster client yet")
     results = await _async_pipelined(client, call, wanted, timeout_ms)
     if function_missing(results[-2]):
-        await async_load_library(client)
+        await async_ensure_library(client)
         results = await _async_pipelined(client, call, wanted, timeout_ms)
         _missing_again(operation, results)
     return _check(operation, results, wanted, timeout_ms)

@@ -8,6 +8,7 @@ import time
 
 from redis import exceptions as rx
 
+from . import deadline
 from .errors import BufferUnavailable
 from .replication import NotReplicated, SlotMoved
 from .scripts import LibraryMissing
@@ -28,6 +29,9 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 )
 """Errors after which the same call may succeed when sent again."""
 
+AT_DEADLINE_S = 0.05
+"""An error this close to the deadline (or past it) counts as the deadline's."""
+
 FIRST_BACKOFF_S = 0.01
 MAX_BACKOFF_S = 0.25
 
@@ -44,7 +48,23 @@ class Attempts:
         self.operation = operation
         self.retry_s = retry_s
         self.deadline = (time.monotonic() if started is None else started) + retry_s
+        # Inside a read of several round trips, the whole read's deadline comes first.
+        left = deadline.remaining()
+        if left is not None:
+            self.deadline = min(self.deadline, time.monotonic() + left)
         self.count = 0
+
+    def keep(self, previous: BaseException, error: BaseException) -> BaseException:
+        """The error to report if this one is the last: a timeout that ends at the deadline is
+        the bound cutting the last attempt short, so the error before it says more (the
+        connection refused, the replica that did not confirm)."""
+        if (
+            isinstance(error, rx.TimeoutError)
+            and not isinstance(previous, rx.TimeoutError)
+            and self.deadline - time.monotonic() <= AT_DEADLINE_S
+        ):
+            return previous
+        return error
 
     def next_delay(self, cause: BaseException) -> float:
         remaining = self.deadline - time.monotonic()
@@ -53,3 +73,11 @@ class Attempts:
         backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**self.count)
         self.count += 1
         return float(min(remaining, backoff * random.uniform(0.5, 1.0)))
+
+
+def cut_by_deadline() -> bool:
+    """Whether the call in progress (sync) is at its deadline: a Cluster client that
+    refreshes its slot map after a timeout and cannot reach a node in the time left raises
+    ``RedisClusterException``, which is then the bound's doing, not a misconfiguration."""
+    left = deadline.remaining()
+    return left is not None and left <= AT_DEADLINE_S

@@ -29,13 +29,16 @@ closes the connection rather than keeping it.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 import redis.asyncio
 from hiredis import pack_command
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, TimeoutError
+
+from .deadline import call_deadline
 
 _generation = 0
 """Counts forks: a child must never send on its parent's sockets (they are shared)."""
@@ -185,14 +188,26 @@ class AsyncDirectCalls(_KeptConnections):
         """Send one packed command and return its reply; error replies are raised as
         redis.asyncio raises them (``ResponseError``: "Function not found"...)."""
         idle = self._kept()
+        ends = call_deadline.get()
+        left = None if ends is None else ends - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError("the call's deadline passed before sending")
         connection = idle.pop() if idle else await self._pool.get_connection()
+        configured = connection.socket_timeout
+        if left is not None and (configured is None or left < configured):
+            # Sending and the whole reply within the call's deadline, however the reply
+            # trickles in (redis.asyncio times a whole reply; see deadline.py). Given as the
+            # socket timeout, not read_response's timeout, which returns None when it passes.
+            connection.socket_timeout = left
         try:
             await connection.send_packed_command((packed,), check_health=False)
             reply = await connection.read_response()
         except ResponseError:
+            connection.socket_timeout = configured
             await self._put_back(idle, connection)  # a whole error reply was read: it is clean
             raise
         except BaseException:
+            connection.socket_timeout = configured
             # Also on CancelledError: a task cancelled after sending leaves its reply unread on
             # the socket, where the next call would take it for its own. Closed and handed back,
             # the connection reconnects on its next checkout (Sentinel: asking the sentinels).
@@ -204,6 +219,7 @@ class AsyncDirectCalls(_KeptConnections):
             finally:
                 await self._pool.release(connection)
             raise
+        connection.socket_timeout = configured
         await self._put_back(idle, connection)
         return reply
 

@@ -4,13 +4,23 @@ node) gets it back in the middle of a run without a call running twice or not at
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
 import redis
 
 from redis_layer_signals import CacheTask, SignalBuffer
-from redis_layer_signals.scripts import FILES, FUNCTIONS, LIBRARY_NAME, OPERATIONS, _lua_dir, library, load_library
+from redis_layer_signals.scripts import (
+    DIGEST_PLACEHOLDER,
+    FILES,
+    FUNCTIONS,
+    LIBRARY_NAME,
+    OPERATIONS,
+    _lua_dir,
+    library,
+    load_library,
+)
 from tests.servers import RedisServer, library_functions
 from tests.topology import ClusterTopology
 
@@ -23,16 +33,19 @@ def functions_on(client: redis.Redis) -> set[str]:
     return library_functions(client, LIBRARY_NAME)
 
 
-def test_the_library_is_the_lua_files_joined_and_named_with_its_version() -> None:
-    code = library().code
-    assert code.startswith(f"#!lua name={LIBRARY_NAME}\n")
-    plain = r"\('(\w+)', \w+\)"
-    flagged = r"\{function_name = '(\w+)', callback = \w+, flags = \{'allow-oom'\}\}"  # finish, sweep
-    found = re.findall(rf"^redis\.register_function(?:{plain}|{flagged})$", code, re.MULTILINE)
+def test_the_library_is_the_lua_files_joined_and_named_with_its_version_and_digest() -> None:
+    built = library()
+    assert built.code.startswith(f"#!lua name={LIBRARY_NAME}\n")
+    source = "\n".join((_lua_dir() / name).read_text() for name in FILES)
+    assert built.digest == hashlib.sha256(source.encode()).hexdigest()
+    assert built.code == source.replace(DIGEST_PLACEHOLDER, built.digest)
+    plain = r"\('(\w+)' \.\. DIGEST, \w+\)"
+    flagged = r"\{function_name = '(\w+)' \.\. DIGEST, callback = \w+, flags = \{'allow-oom'\}\}"  # finish, sweep
+    found = re.findall(rf"^redis\.register_function(?:{plain}|{flagged})$", source, re.MULTILINE)
     registered = [a or b for a, b in found]
-    assert registered == [FUNCTIONS[operation] for operation in OPERATIONS]
-    assert all(name.startswith(LIBRARY_NAME + "_") for name in registered)
-    assert "@helpers" not in code
+    assert [f"{name}{built.digest}" for name in registered] == [FUNCTIONS[operation] for operation in OPERATIONS]
+    assert all(name.startswith(LIBRARY_NAME + "_") for name in FUNCTIONS.values())
+    assert "@helpers" not in built.code
 
 
 @pytest.mark.parametrize("name", FILES[1:])
@@ -55,8 +68,8 @@ def test_redis_7_0_and_valkey_8_1_load_the_library_as_it_is(server: str, request
     started: RedisServer = request.getfixturevalue(server)
     client = started.client()
     try:
-        load_library(client)
-        load_library(client)  # idempotent: REPLACE of the same version
+        load_library(client, replace=True)
+        load_library(client, replace=True)  # the operator's REPLACE of the same code
         assert functions_on(client) == set(FUNCTIONS.values())
     finally:
         client.close()
@@ -86,16 +99,23 @@ def test_a_cluster_primary_without_the_library_gets_it_back_and_the_others_keep_
     """A node that lost the library (as a new node or a promoted replica would) answers
     "Function not found" for the ranks it serves; the call loads it and goes through."""
     buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
-    buf.record("p0", 0, 0, [(5, 100)])  # every primary has the library now
+    buf.record("p0", 0, 0, [(5, 100)])  # the rank's primary has the library now
     owner = cluster.node_for_key(buf.protocol.keys.rank("p0", 0).pending)
+    others = [node for node in cluster.primary_nodes() if node.port != owner.port]
+    had = {}
+    for node in others:
+        with node.client() as client:
+            had[node.port] = functions_on(client)
     with owner.client() as client:
         client.function_flush()
         assert functions_on(client) == set()
     rec = buf.register(task())
     assert [(s.layer, s.tokens) for s in rec.recovered] == [(0, 100)]
-    for node in cluster.primary_nodes():
+    with owner.client() as client:
+        assert functions_on(client) == set(FUNCTIONS.values())
+    for node in others:  # loaded on the node that answered only; the others keep what they had
         with node.client() as client:
-            assert functions_on(client) == set(FUNCTIONS.values()), node.port
+            assert functions_on(client) == had[node.port], node.port
     buf.close()
 
 

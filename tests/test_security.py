@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import redis
 from redis.cluster import key_slot
-from redis.exceptions import NoPermissionError
 
 from redis_layer_signals import (
     AsyncSignalBuffer,
@@ -25,6 +24,7 @@ from redis_layer_signals import (
     InvalidConfig,
     InvalidSignal,
     InvalidTask,
+    NoPermissionError,
     SignalBuffer,
     acl,
 )
@@ -130,7 +130,7 @@ def test_library_works_under_the_least_privilege_acl(redis_server: RedisServer, 
     # ...and nothing more: no FLUSHALL, no CONFIG, no keys outside rls:*.
     direct = redis.Redis(host="127.0.0.1", port=redis_server.port, username=user, password=PASSWORD)
     for forbidden in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("GET", "other:key"), ("KEYS", "*")):
-        with pytest.raises(NoPermissionError):
+        with pytest.raises(redis.exceptions.NoPermissionError):
             direct.execute_command(*forbidden)
     direct.close()
     buf.close()
@@ -228,3 +228,16 @@ def test_every_key_of_a_rank_carries_exactly_its_own_hash_tag(namespace: str) ->
                 assert space.owner(key) == (instance, rank)
             assert tag not in seen
             seen[tag] = (instance, rank)
+
+
+def test_docs_show_the_tenant_and_operator_rules_the_library_defines() -> None:
+    text = (LUA_DIR.parent / "docs" / "operations" / "topologies.md").read_text()
+    assert "ACL SETUSER rls-tenant-a on >PASSWORD " + " ".join(acl.rules("tenant-a", role="tenant")) in text
+    assert "ACL SETUSER rls-operator on >PASSWORD " + " ".join(acl.rules(role="operator")) in text
+    assert "+function|load" not in " ".join(acl.rules("tenant-a", role="tenant"))
+
+
+def test_acl_roles_are_checked() -> None:
+    with pytest.raises(InvalidConfig) as bad:
+        acl.rules(role="admin")
+    assert bad.value.field == "role"
