@@ -142,7 +142,8 @@ class SignalBuffer(BufferBase):
         for instance, rank in self.ranks("expiry"):
             call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
             while True:
-                expired = int(self._retrying("sweep", partial(self._send, "sweep", call)))
+                until = time.monotonic() + self.config.retry_s
+                expired = int(self._retrying("sweep", partial(self._send, "sweep", call, until)))
                 total += expired
                 if expired == 0:
                     break
