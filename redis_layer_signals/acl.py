@@ -76,7 +76,7 @@ def key_pattern(namespace: str | None = None) -> str:
 
 def rules(namespace: str | None = None, cluster: bool = False, role: str = "owner") -> list[str]:
     """ACL rules for ``ACL SETUSER <user> on ><password> <rules...>`` (password not included),
-    for one of :data:`ROLES` (see the module docstring)."""
+    for one of ``ROLES`` (see the module docstring)."""
     if role not in ROLES:
         raise InvalidConfig("role", role, f"must be one of {', '.join(ROLES)}")
     cluster_commands = CLUSTER_COMMANDS if cluster else ()
@@ -95,6 +95,6 @@ rank), and ``INFO memory stats`` for each server's eviction policy and ``evicted
 
 
 def exporter_rules(namespace: str | None = None, cluster: bool = False) -> list[str]:
-    """Read-only ACL rules for the ``rls metrics`` exporter's user (see :func:`rules`)."""
+    """Read-only ACL rules for the ``rls metrics`` exporter's user (see ``rules``)."""
     commands = dict.fromkeys((*EXPORTER_COMMANDS, *(CLUSTER_COMMANDS if cluster else ())))
     return ["resetkeys", f"%R~{key_pattern(namespace)}", "resetchannels", "-@all", *(f"+{c}" for c in commands)]

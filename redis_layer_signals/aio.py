@@ -28,7 +28,7 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def whole_call(method: F) -> F:
-    """Bound a read of several round trips by one timeout, ``retry_s`` (see :mod:`.deadline`)."""
+    """Bound a read of several round trips by one timeout, ``retry_s`` (see ``deadline``)."""
 
     @wraps(method)
     async def bounded(self: AsyncSignalBuffer, *args: Any, **kwargs: Any) -> Any:
@@ -167,7 +167,7 @@ class AsyncSignalBuffer(BufferBase):
 
     _run_script = _call_function
     """The operations' path (tests wrap it to lose replies); the permission check calls
-    :meth:`_call_function` itself."""
+    ``_call_function`` itself."""
 
     async def _retrying(self, operation: str, action: Callable[[], Awaitable[T]], sent: str = "fcall") -> T:
         """``await action()``, resent after retryable errors until ``retry_s`` (from now) runs out;
@@ -262,7 +262,7 @@ class AsyncSignalBuffer(BufferBase):
         return await self._run_script(call)
 
     async def _allow(self, operation: str, call: ScriptCall) -> None:
-        """Check the rank's permissions before its first call (see :mod:`.permissions`)."""
+        """Check the rank's permissions before its first call (see ``permissions``)."""
         failure = refused(operation, await self._call_function(self.protocol.permissions(call)))
         if failure is not None:
             raise failure

@@ -105,12 +105,12 @@ class BufferBase:
         """Set until the server's maxmemory-policy is read, and again after a retryable error
         (a reconnect may reach another node): the only eviction cost a call pays is this test."""
         self.policies: dict[str, str] = {}
-        """Each server's maxmemory-policy as last read (see :mod:`.eviction`)."""
+        """Each server's maxmemory-policy as last read (see ``eviction``)."""
         self.owed = OwedFinishes()
         """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
         self._allowed: set[str] = set()
         """The first key of each rank whose permissions were checked since the last reconnect
-        (see :mod:`.permissions`)."""
+        (see ``permissions``)."""
 
     @classmethod
     def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:

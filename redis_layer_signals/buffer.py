@@ -28,7 +28,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def whole_call(method: F) -> F:
     """Bound a read of a few round trips (``pending``, ``task``) by one deadline, ``retry_s``
-    from its start, like a single call (see :mod:`.deadline`). Reads whose round trips grow
+    from its start, like a single call (see ``deadline``). Reads whose round trips grow
     with the namespace (``ranks``, ``sweep``, ``stats``) bound each round trip instead."""
 
     @wraps(method)
@@ -159,7 +159,7 @@ class SignalBuffer(BufferBase):
 
     def server_policies(self) -> dict[str, str]:
         """Each server's ``maxmemory-policy`` (every primary of a Cluster), read now; anything
-        but ``noeviction`` is warned about once per process and server (see :mod:`.eviction`)."""
+        but ``noeviction`` is warned about once per process and server (see ``eviction``)."""
         self.policies = self._retrying("policy", partial(eviction.server_policies, self.client))
         eviction.judge(self.policies, eviction.WARN)
         return dict(self.policies)
@@ -210,7 +210,7 @@ class SignalBuffer(BufferBase):
 
     _run_script = _call_function
     """The operations' path (tests wrap it to lose replies); the permission check calls
-    :meth:`_call_function` itself."""
+    ``_call_function`` itself."""
 
     def _retrying(self, operation: str, action: Callable[[], T], sent: str = "fcall") -> T:
         """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out.
@@ -305,7 +305,7 @@ class SignalBuffer(BufferBase):
         return self._run_script(call)
 
     def _allow(self, operation: str, call: ScriptCall) -> None:
-        """Check the rank's permissions before its first call (see :mod:`.permissions`)."""
+        """Check the rank's permissions before its first call (see ``permissions``)."""
         failure = refused(operation, self._call_function(self.protocol.permissions(call)))
         if failure is not None:
             raise failure

@@ -7,7 +7,7 @@ buffer of the process); ``redis://``, ``rediss://`` (TLS) and ``unix://`` one se
 
 Clients made here answer in bytes, time out after ``retry_s`` and do not retry internally:
 the buffer's own retry loop owns the time bound and the idempotency tokens. Sync clients'
-sockets also wait at most until the deadline of the call in progress (:mod:`.deadline`).
+sockets also wait at most until the deadline of the call in progress (``deadline``).
 
 Sentinel: after ``SENTINEL FAILOVER`` the old primary keeps accepting writes until the
 sentinels reconfigure it (up to about 10 s later), and those writes are lost when it becomes a
@@ -176,7 +176,7 @@ def _bound_pool(redis_client: Any) -> Any:
 
 def _bound_cluster_nodes(client: Any) -> None:
     """A sync Cluster client makes one plain client per node, for the nodes it knows and for
-    each it learns of later; all of them get bounded connections (see :mod:`.deadline`)."""
+    each it learns of later; all of them get bounded connections (see ``deadline``)."""
     manager = client.nodes_manager
     for node in client.get_nodes():
         if node.redis_connection is not None:

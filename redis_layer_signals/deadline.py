@@ -3,19 +3,19 @@
 ``socket_timeout`` bounds one read: a reply trickling back a byte every 0.3 s never trips it,
 and a resend started just before the end of ``retry_s`` waited a full timeout more (7.5 s
 measured with ``retry_s=0.5``). So the buffers give every call a deadline, its start plus
-``retry_s``, and the clients made by :mod:`.connection` enforce it on every socket operation:
+``retry_s``, and the clients made by ``connection`` enforce it on every socket operation:
 
-- sync: a thread-local deadline (:func:`bounded` ... :func:`release`) and connection classes
-  (:func:`with_deadline`) whose sockets shorten their timeout, before each send and each read,
+- sync: a thread-local deadline (``bounded`` ... ``release``) and connection classes
+  (``with_deadline``) whose sockets shorten their timeout, before each send and each read,
   to the time left, and fail at once when none is left; connecting is bounded the same way.
   A timed-out read is redis-py's ``TimeoutError``, and the retry loop, out of time, raises
   ``BufferUnavailable``.
 - async: on a plain client each call's send and whole reply get the time left to the
-  deadline as their timeout (:data:`call_deadline`; redis.asyncio times a whole reply, not
+  deadline as their timeout (``call_deadline``; redis.asyncio times a whole reply, not
   each read); on the others (Cluster, the in-memory fake) one timeout covers the whole call
-  (:data:`async_timeout`), cancelling whatever the call awaits when the deadline passes.
+  (``async_timeout``), cancelling whatever the call awaits when the deadline passes.
 
-What is left past ``retry_s`` is the time to notice: :data:`MARGIN_S` covers it (a scheduler
+What is left past ``retry_s`` is the time to notice: ``MARGIN_S`` covers it (a scheduler
 that runs the thread late, the close of a connection). A client passed in by the caller keeps
 its own timeouts; only ``from_url`` clients get the per-read bound, the async one holds for
 every client.
@@ -52,12 +52,12 @@ _local = threading.local()
 
 call_deadline: ContextVar[float | None] = ContextVar("rls_call_deadline", default=None)
 """The async buffers' deadline of the call in progress, per task (a ``time.monotonic()``
-reading): :class:`~redis_layer_signals.wire.AsyncDirectCalls` reads each reply within it."""
+reading): ``redis_layer_signals.wire.AsyncDirectCalls`` reads each reply within it."""
 
 
 def bounded(deadline: float) -> float | None:
     """Make ``deadline`` (a ``time.monotonic()`` reading) this thread's bound, unless an
-    earlier one is set (a call inside a call); returns the previous bound, for :func:`release`."""
+    earlier one is set (a call inside a call); returns the previous bound, for ``release``."""
     previous: float | None = getattr(_local, "deadline", None)
     if previous is None or deadline < previous:
         _local.deadline = deadline
@@ -75,7 +75,7 @@ def remaining() -> float | None:
 
 
 SLACK_S = 0.01
-"""A socket timeout may end this much after the deadline (part of :data:`MARGIN_S`): the
+"""A socket timeout may end this much after the deadline (part of ``MARGIN_S``): the
 common call then changes no timeout at all (``settimeout`` is a system call)."""
 
 
@@ -85,7 +85,7 @@ class DeadlineSocket:
     redis-py's parsers and ``sendall`` go through ``recv``/``recv_into``/``sendall`` here; any
     other attribute is the socket's own. ``settimeout`` records the timeout redis-py wants,
     which applies as it is when no deadline is set, or when it is the shorter. A timeout is
-    changed only when the one in force could end more than :data:`SLACK_S` past the deadline:
+    changed only when the one in force could end more than ``SLACK_S`` past the deadline:
     on the common call, whose deadline is ``retry_s`` away like the socket timeout, never."""
 
     __slots__ = ("_applied", "_sock", "_timeout")

@@ -7,7 +7,7 @@ again after a reconnect (a failover or a restart may have put it on another node
 ``CONFIG GET maxmemory-policy``, or ``INFO memory`` where ``CONFIG`` is refused (managed
 services rename or forbid it). Anything but ``noeviction`` is logged once per process and
 server, exported as a metric, and, with ``eviction="refuse"``, refused with
-:class:`~.errors.EvictingServer`.
+``errors.EvictingServer``.
 
 The check is not on the hot path: a call tests one attribute, and only the first call (or the
 first after a reconnect) sends the two commands.
@@ -96,7 +96,7 @@ def read_policy(client: Any, **target: Any) -> str:
 
 
 async def async_read_policy(client: Any, **target: Any) -> str:
-    """:func:`read_policy` on a redis.asyncio client."""
+    """``read_policy`` on a redis.asyncio client."""
     try:
         policy = policy_of_config(await client.config_get("maxmemory-policy", **target))
         if policy is not None:
@@ -119,7 +119,7 @@ def server_policies(client: Any) -> dict[str, str]:
 
 
 async def async_server_policies(client: Any) -> dict[str, str]:
-    """:func:`server_policies` on a redis.asyncio client."""
+    """``server_policies`` on a redis.asyncio client."""
     if is_fake(client):
         return {"memory": SAFE_POLICY}
     if is_cluster(client):

@@ -1,4 +1,4 @@
-"""Finishes owed to Redis: a ``finish`` that raised :class:`BufferUnavailable` is kept and sent
+"""Finishes owed to Redis: a ``finish`` that raised ``BufferUnavailable`` is kept and sent
 again, the same call with the same token, before the buffer's next call on the same rank.
 
 A finish lost to a partition would otherwise leave the finished request holding its slot until

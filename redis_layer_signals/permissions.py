@@ -4,7 +4,7 @@ A Lua function that meets a command its caller may not run stops there, and what
 before stays written. So before a buffer's first call on a rank (and again after every
 reconnect, since a resend may reach another node), it calls ``rls_v2_permissions`` with the
 rank's keys, which asks the server (``redis.acl_check_cmd``) about every command the rank's
-functions may run, and a refused one raises :class:`NoPermissionError` before any write. The
+functions may run, and a refused one raises ``NoPermissionError`` before any write. The
 answer is kept per rank, so the calls after the first cost nothing more.
 
 What this cannot cover: a permission taken away from a user while its buffers run (``ACL

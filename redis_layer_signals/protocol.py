@@ -269,7 +269,8 @@ class Protocol:
         keys = self.rank_keys(instance, rank, InvalidSignal)
         if not (type(layer) is int and 0 <= layer < self._max_layers):
             validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
-            raise InvalidSignal("layer", layer, f"must be below max_layers={self._max_layers}")
+            if layer >= self._max_layers:  # else an int subclass that prints as its digits
+                raise InvalidSignal("layer", layer, f"must be below max_layers={self._max_layers}")
         batch: Sequence[tuple[Any, ...]] | None = plain_batch(entries, self.config.max_slots)
         triples = batch is None  # else a plain batch of (slot, tokens) pairs
         with_rids = "0"
@@ -310,7 +311,8 @@ class Protocol:
         validation.integer(task.need_prefill_tokens, "need_prefill_tokens", InvalidTask, 0, MAX_INT)
         if not (type(task.num_layers) is int and 1 <= task.num_layers <= self._max_layers):
             validation.integer(task.num_layers, "num_layers", InvalidTask, 1, MAX_INT)
-            raise InvalidTask("num_layers", task.num_layers, f"must be at most max_layers={self._max_layers}")
+            if task.num_layers > self._max_layers:
+                raise InvalidTask("num_layers", task.num_layers, f"must be at most max_layers={self._max_layers}")
         validation.integer(task.decode_cached_tokens, "decode_cached_tokens", InvalidTask, 0, MAX_INT)
         if type(task.meta) is not dict or task.meta:  # an empty dict is valid meta
             validation.meta(task.meta)

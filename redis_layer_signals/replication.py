@@ -18,7 +18,7 @@ nor waits behind another's. One refresh runs at a time per client; a failure whi
 for none more.
 
 Each attempt reads its replies for at most the time its call has left (``deadline``) plus the
-WAIT timeout and :data:`READ_SLACK_S`, so an attempt that starts just before the deadline does
+WAIT timeout and ``READ_SLACK_S``, so an attempt that starts just before the deadline does
 not wait a whole socket timeout past it: a waited call returns or raises within ``retry_s``
 plus ``wait_timeout_ms`` plus 0.25 s.
 """

@@ -14,15 +14,15 @@ released layout does not need.
 
 On a shared server another client may have loaded a different ``rls_v2`` (another build, a
 copy edited by hand). Each function is registered as ``rls_v2_<operation>_<digest>``, the
-digest being the SHA-256 of the code (:data:`DIGEST_PLACEHOLDER`), so a buffer only ever calls
+digest being the SHA-256 of the code (``DIGEST_PLACEHOLDER``), so a buffer only ever calls
 the code it ships: other code has other names, and the call is answered "Function not found"
 without running anything.
 
 A server without the library (a restart without persistence, a new Cluster node, a replica
 promoted before it got it, ``FUNCTION FLUSH``) answers the same. The buffers then ask
-``rls_v2_digest`` which code the server has (:func:`ensure_library`): none, and they load it,
+``rls_v2_digest`` which code the server has (``ensure_library``): none, and they load it,
 without REPLACE, on the node that answered, and resend the call with the same idempotency
-token; another digest, and they raise :class:`LibraryMismatch` naming both, never calling it
+token; another digest, and they raise ``LibraryMismatch`` naming both, never calling it
 and never replacing it (the clients of that other build would replace it back). Replacing it
 is the operator's decision: ``rls library load --replace``.
 """
@@ -137,7 +137,7 @@ def served_digest(client: Any, key: str | None = None) -> str | None:
 
 
 async def async_served_digest(client: Any, key: str | None = None) -> str | None:
-    """:func:`served_digest` for redis.asyncio clients."""
+    """``served_digest`` for redis.asyncio clients."""
     keys = [] if key is None else [key]
     try:
         return _text(await client.fcall(DIGEST_FUNCTION, len(keys), *keys))
@@ -159,7 +159,7 @@ def _judge(served: str | None, cause: BaseException | None = None) -> bool:
 
 def ensure_library(client: Any, key: str | None = None) -> bool:
     """Make sure the server (``key``'s node on a Cluster) has this client's library: load it
-    where there is none (True), raise :class:`LibraryMismatch` where there is another. Loaded
+    where there is none (True), raise ``LibraryMismatch`` where there is another. Loaded
     without REPLACE, so a library another build loaded meanwhile is never overwritten."""
     if _judge(served_digest(client, key)):
         return False
@@ -176,7 +176,7 @@ def ensure_library(client: Any, key: str | None = None) -> bool:
 
 
 async def async_ensure_library(client: Any, key: str | None = None) -> None:
-    """:func:`ensure_library` for redis.asyncio clients."""
+    """``ensure_library`` for redis.asyncio clients."""
     if _judge(await async_served_digest(client, key)):
         return
     try:

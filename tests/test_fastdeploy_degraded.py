@@ -413,11 +413,14 @@ def test_bridge_serves_locally_while_redis_is_out_of_memory_and_says_why(
     try:
         client.config_set("maxmemory", 1)  # every write is refused with OOM
         assert bridge.on_kv_signal(kv((1, 0, 100))) == []  # early: held locally
-        assert bridge.on_cache_task(cache_info(1, "r1")) == [(1, 100)]
-        assert bridge.health().degraded
+        assert bridge.on_cache_task(cache_info(1, "r1")) == [(1, 100)]  # decided in the process
+        # The writer meets the full server in the background: the bridge says so and why.
+        wait_until(lambda: bridge.health().degraded, WAIT_S, what="the writer to meet the full server")
         assert any("out of memory" in r.getMessage() and "locally" in r.getMessage() for r in caplog.records)
+        assert buffer.task("p0", 0, 1) is None  # nothing was written meanwhile
         client.config_set("maxmemory", 0)  # room again
-        wait_until(lambda: not bridge.health().degraded, WAIT_S, what="the bridge to write back")
+        assert bridge.flush(WAIT_S), "the writer did not catch up once the server had room"
+        assert not bridge.health().degraded
         assert buffer.task("p0", 0, 1) is not None  # the task served locally is in Redis now
     finally:
         bridge.close()

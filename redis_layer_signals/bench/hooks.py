@@ -1,7 +1,7 @@
 """The FastDeploy bridge's three hooks against FastDeploy's own fix, side by side in one run.
 
-FastDeploy's fix is a lock, a dict lookup per entry and a queue put (:class:`FastDeployDict`);
-the bridge is :class:`~redis_layer_signals.fastdeploy.Layer0Bridge` in FastDeploy's layout
+FastDeploy's fix is a lock, a dict lookup per entry and a queue put (``FastDeployDict``);
+the bridge is ``redis_layer_signals.fastdeploy.Layer0Bridge`` in FastDeploy's layout
 (the process registers every task of its rank). Both serve the same steps, a forward step of
 ``entries`` requests each prefilled in 2 chunks (first chunk's layer-0 signal before its task,
 the task, the second chunk's signal, the finish), under three conditions: a healthy Redis on

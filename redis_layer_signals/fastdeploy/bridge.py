@@ -366,7 +366,7 @@ class Layer0Bridge:
         return result
 
     def _within_budget(self, call: Callable[[], T]) -> T:
-        """Run a hook's Redis call; past ``hook_budget_ms`` stop waiting (:class:`OverBudget`:
+        """Run a hook's Redis call; past ``hook_budget_ms`` stop waiting (``OverBudget``:
         the hook journals, as for an outage, and the write-back takes the call's own outcome)."""
         if self._caller is None:
             # A worker per hook thread of FastDeploy's (consumer, adder, sender) and a spare: calls
@@ -422,7 +422,7 @@ class Layer0Bridge:
         """Write back what was decided locally, if Redis answers; True once the bridge serves
         from Redis again (also when it was never degraded). The background thread calls this
         every ``probe_s`` while degraded; calling it yourself is harmless. Where the process
-        owns its rank the writer does this: it waits for it (see :meth:`flush`), at most the
+        owns its rank the writer does this: it waits for it (see ``flush``), at most the
         buffer's ``retry_s``."""
         if self.owned is not None:
             return self.flush(self.buffer.config.retry_s) and not self.health().degraded
@@ -506,7 +506,7 @@ class Layer0Bridge:
         return time.monotonic() - min(times) if times else 0.0
 
     def _adopt(self) -> bool:
-        """What an earlier process of this rank left in Redis (see :meth:`OwnedRank.adopt`);
+        """What an earlier process of this rank left in Redis (see ``OwnedRank.adopt``);
         False when Redis did not answer (the writer tries again before its first write)."""
         assert self.owned is not None
         keys = self.buffer.protocol.keys.rank(self.instance, self.rank)

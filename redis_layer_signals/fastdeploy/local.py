@@ -35,7 +35,7 @@ class LocalTask:
     registered_at_ms: int = 0
     """When the process registered it, on the server's clock (its lease runs from then)."""
     recovery: str = ""
-    """What its registration popped, as register.lua keeps it (see :mod:`.owner`)."""
+    """What its registration popped, as register.lua keeps it (see ``owner``)."""
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The rank a process owns: it decides in memory, and keeps what Redis has not been told yet.
 
 In FastDeploy's layout one process registers, feeds and finishes every task of its (instance,
-rank). :class:`OwnedRank` holds that rank's tasks and early layer-0 signals, decides each hook
+rank). ``OwnedRank`` holds that rank's tasks and early layer-0 signals, decides each hook
 call with FastDeploy's semantics, and counts every decision as the Lua functions would count the
 same call (``delivered``, ``buffered``, ``superseded``, ``registered``, ``recovered``,
 ``dropped_<reason>``, ``occupied`` and ``replaced`` for a takeover, ``reregistered``,
@@ -11,7 +11,7 @@ What Redis has not been told is kept compacted, so it stays bounded whatever an 
 the counters' increments (a Counter: exact, whatever their number), and per slot a mark that its
 state changed, plus the fate of the one signal Redis holds for it, if the process ended that
 signal (counted by Redis only while Redis still holds it: a reader's sweep that expired it
-first counted it already). :meth:`take` turns that into one ``apply`` call (lua/apply.lua),
+first counted it already). ``take`` turns that into one ``apply`` call (lua/apply.lua),
 carrying each changed slot's state as it is *now*: its task, its pending signal. The bound is
 the rank's slots, one signal each (the bridge keeps layer 0 only).
 

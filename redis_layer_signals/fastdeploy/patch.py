@@ -6,7 +6,7 @@ leaves every other byte of the file as it was (the older ``CacheMessager`` class
 
 Each place is found by one line of FastDeploy's file and must be in its fixed form (patched then)
 or in its patched form (left alone), so patching twice changes nothing. Anything else refuses the
-whole file with :class:`StructureMismatch` naming the first place that did not match: a file of
+whole file with ``StructureMismatch`` naming the first place that did not match: a file of
 another release is never half patched, and code the guide does not know is never deleted (a block
 the codemod removes may only log, build the signal lists, touch the pending dict and put on the
 sender's queue).

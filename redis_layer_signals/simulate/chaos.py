@@ -8,7 +8,7 @@ The fault depends on the topology the URL names:
   With ``always`` the checks must find nothing lost; ``everysec`` or ``off`` show what a
   weaker setting loses.
 - ``--chaos-fault partition`` (``memory://`` only, as root, on Linux): the run owns its hosts
-  too (:mod:`.hosts`). Its Redis runs on one network namespace, the ranks, the registrar and
+  too (``hosts``). Its Redis runs on one network namespace, the ranks, the registrar and
   the message server on another, and each fault cuts the Redis host off for ``PARTITION_S``
   (its packets vanish, nothing answers), then heals. The cut is shorter than the buffer's
   ``retry_s``: the calls block and then succeed, and the checks must find nothing lost.

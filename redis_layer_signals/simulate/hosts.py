@@ -6,7 +6,7 @@ Layout: a switch namespace holds a Linux bridge; each host namespace holds ``eth
 ``10.213.0.N/24``, a range used only inside these namespaces) whose veth peer in the switch is
 named after the host (``h1``...). Servers run in their host's namespace (``ip netns exec``) bound
 to its address, so every host can use the usual ports. The test process itself stays outside:
-:meth:`Hosts.run` calls a function on a thread that entered a host's namespace (sockets made
+``Hosts.run`` calls a function on a thread that entered a host's namespace (sockets made
 there belong to it), which is how a test reads a server's INFO or runs a client in process.
 
 The nemesis works where a switch or a security group does, in the switch namespace, so neither
@@ -17,10 +17,10 @@ loses what goes to a host (and on the host's ``eth0``, what comes from it); rand
 
 Linux only, and root only.
 
-Every namespace is named ``rls-<pid>-<n>-...``: :func:`remove_stale` deletes those of dead
-processes (a run killed before its cleanup), and :meth:`Hosts.cleanup` deletes a run's own.
-Making them needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); without it :class:`Hosts` raises
-:class:`NamespacesUnavailable`, which fails the test with that message.
+Every namespace is named ``rls-<pid>-<n>-...``: ``remove_stale`` deletes those of dead
+processes (a run killed before its cleanup), and ``Hosts.cleanup`` deletes a run's own.
+Making them needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); without it ``Hosts`` raises
+``NamespacesUnavailable``, which fails the test with that message.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _sh(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def require_namespaces() -> None:
-    """Raise :class:`NamespacesUnavailable` saying why these tests cannot run here."""
+    """Raise ``NamespacesUnavailable`` saying why these tests cannot run here."""
     missing = [tool for tool in ("ip", "tc", "nft") if shutil.which(tool) is None]
     if missing:
         raise NamespacesUnavailable(
@@ -103,7 +103,7 @@ def _enter(namespace: str) -> None:
 
 class Hosts:
     """``names`` hosts on one bridge; see the module docstring. Use as a context manager or
-    call :meth:`cleanup` (it runs also after a failed creation)."""
+    call ``cleanup`` (it runs also after a failed creation)."""
 
     def __init__(self, names: Sequence[str]) -> None:
         require_namespaces()
@@ -209,7 +209,7 @@ class Hosts:
 
     def slow(self, name: str, delay_ms: int) -> None:
         """``tc netem``: each packet to or from host ``name`` waits ``delay_ms``. Raises
-        :class:`NamespacesUnavailable` on a kernel without ``sch_netem``."""
+        ``NamespacesUnavailable`` on a kernel without ``sch_netem``."""
         for namespace, device in ((self.switch, name), (self.namespace(name), "eth0")):
             done = _sh(
                 "ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root",
@@ -225,7 +225,7 @@ class Hosts:
 
         For kernels without ``sch_netem``: an ``nft`` redirect in the server's host sends the
         client's new connections through a relay there that holds each chunk ``delay_ms``
-        before passing it on, in both directions. :meth:`heal` removes the redirect and closes
+        before passing it on, in both directions. ``heal`` removes the redirect and closes
         the relayed connections (the client reconnects, straight to the server)."""
         relay = DelayRelay(self, server, port, delay_ms / 1000)
         self._relays.append(relay)
@@ -281,7 +281,7 @@ class Hosts:
 
 
 class DelayRelay:
-    """A TCP relay on ``host`` (see :meth:`Hosts.delay`): each chunk read from one side is
+    """A TCP relay on ``host`` (see ``Hosts.delay``): each chunk read from one side is
     written to the other ``delay_s`` later, in order."""
 
     def __init__(self, hosts: Hosts, host: str, target_port: int, delay_s: float) -> None:
