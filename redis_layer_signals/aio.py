@@ -126,10 +126,11 @@ class AsyncSignalBuffer(BufferBase):
         eviction.judge(self.policies, eviction.WARN)
         return dict(self.policies)
 
-    async def _check_server(self) -> None:
+    async def _check_server(self, key: str) -> None:
         """Read the eviction policy before the first write (see SignalBuffer._check_server)."""
-        self.policies = await eviction.async_server_policies(self.client)
-        eviction.judge(self.policies, self.config.eviction)
+        found = await eviction.async_server_policies(self.client, key if self.policies else None)
+        self.policies = {**self.policies, **found}
+        eviction.judge(found, self.config.eviction)
         self._server_unchecked = False
 
     async def close(self) -> None:
@@ -253,7 +254,7 @@ class AsyncSignalBuffer(BufferBase):
 
     async def _send(self, operation: str, call: ScriptCall) -> Any:
         if self._server_unchecked:
-            await self._check_server()
+            await self._check_server(call.keys[0])
         if call.keys[0] not in self._allowed:
             await self._allow(operation, call)
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:

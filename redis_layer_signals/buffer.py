@@ -164,12 +164,14 @@ class SignalBuffer(BufferBase):
         eviction.judge(self.policies, eviction.WARN)
         return dict(self.policies)
 
-    def _check_server(self) -> None:
+    def _check_server(self, key: str) -> None:
         """Read the servers' eviction policy before the first write (and after a reconnect):
         warn, or refuse in ``refuse`` mode (checked again on the next call, so fixing the
-        server's setting is enough). Connection errors go to the call's retry loop."""
-        self.policies = eviction.server_policies(self.client)
-        eviction.judge(self.policies, self.config.eviction)
+        server's setting is enough). Connection errors go to the call's retry loop. The first
+        check reads every primary of a Cluster, a recheck only the node of ``key``."""
+        found = eviction.server_policies(self.client, key if self.policies else None)
+        self.policies = {**self.policies, **found}
+        eviction.judge(found, self.config.eviction)
         self._server_unchecked = False
 
     def close(self) -> None:
@@ -296,7 +298,7 @@ class SignalBuffer(BufferBase):
 
     def _send(self, operation: str, call: ScriptCall, until: float) -> Any:
         if self._server_unchecked:
-            self._check_server()
+            self._check_server(call.keys[0])
         if call.keys[0] not in self._allowed:
             self._allow(operation, call)
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:

@@ -109,23 +109,27 @@ async def async_read_policy(client: Any, **target: Any) -> str:
         return UNKNOWN
 
 
-def server_policies(client: Any) -> dict[str, str]:
-    """Every server's policy: one for a plain or Sentinel client, each primary of a Cluster."""
+def server_policies(client: Any, key: str | None = None) -> dict[str, str]:
+    """Every server's policy: one for a plain or Sentinel client, each primary of a Cluster, or
+    with ``key`` only the Cluster node that serves it (the recheck after a reconnect, which must
+    not wait on a primary that is cut off while the call's own node answers)."""
     if is_fake(client):
         return {"memory": SAFE_POLICY}
     if is_cluster(client):
-        return {node.name: read_policy(client, target_nodes=node) for node in client.get_primaries()}
+        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
+        return {node.name: read_policy(client, target_nodes=node) for node in nodes}
     return {label(client): read_policy(client)}
 
 
-async def async_server_policies(client: Any) -> dict[str, str]:
+async def async_server_policies(client: Any, key: str | None = None) -> dict[str, str]:
     """``server_policies`` on a redis.asyncio client."""
     if is_fake(client):
         return {"memory": SAFE_POLICY}
     if is_cluster(client):
         if not client.get_primaries():
             await client.initialize()
-        return {node.name: await async_read_policy(client, target_nodes=node) for node in client.get_primaries()}
+        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
+        return {node.name: await async_read_policy(client, target_nodes=node) for node in nodes}
     return {label(client): await async_read_policy(client)}
 
 
