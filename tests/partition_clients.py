@@ -106,6 +106,7 @@ def figures_of(result: dict[str, Any], ns: str) -> dict[str, Any]:
         "slowest": max(timings, key=lambda t: t["max_s"])["max_operation"],
         "attempts": sum(t["attempts"] for t in timings),
         "unavailable": sum(t["unavailable"] for t in timings),
+        "last_error": next((t["last_error"] for t in timings if t["last_error"]), ""),
     }
 
 

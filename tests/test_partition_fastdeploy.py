@@ -138,12 +138,6 @@ def test_messager_cut_off_then_slowed_then_healed_never_hangs_repeats_or_stops(p
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(
-    strict=True,
-    reason="the bridge writes a journaled record back with a new call (a new token) after one whose "
-    "reply was lost had run: 6-9 of 84 layer-0 signals recorded twice in Redis, some left pending "
-    "(fastdeploy/journal.py)",
-)
 def test_messager_cut_off_then_slowed_then_healed_leaves_redis_as_if_it_had_answered(partitioned_run: Run) -> None:
     outcome = partitioned_run.outcome
     assert outcome.stats is not None
