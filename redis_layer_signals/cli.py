@@ -21,7 +21,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import __version__, admin
+from . import __version__, admin, eviction
 from .buffer import SignalBuffer
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import SignalBufferError
@@ -438,20 +438,28 @@ def stats_command(
         if as_json:
             out.print_json(json.dumps(counters))
             return
+        policies = buf.server_policies()
         if not watch:
-            out.print(_stats_table(namespace, counters))
+            out.print(_stats_table(namespace, counters, policies))
             return
         shown = 0
-        with Live(_stats_table(namespace, counters), console=out, auto_refresh=False) as live:
+        with Live(_stats_table(namespace, counters, policies), console=out, auto_refresh=False) as live:
             shown += 1
             while count == 0 or shown < count:
                 time.sleep(interval)
-                live.update(_stats_table(namespace, buf.stats()), refresh=True)
+                live.update(_stats_table(namespace, buf.stats(), policies), refresh=True)
                 shown += 1
 
 
-def _stats_table(namespace: str, counters: dict[str, int]) -> Table:
-    result = Table(title=f"counters of {namespace!r}")
+def _stats_table(namespace: str, counters: dict[str, int], policies: dict[str, str]) -> Table:
+    """The counters, captioned with each server's maxmemory-policy: under an evicting one they
+    may no longer add up (see docs/operations/redis-settings.md)."""
+    evicting = eviction.evicting(policies)
+    servers = ", ".join(f"{server} {policy}" for server, policy in policies.items())
+    caption = f"maxmemory-policy: {servers}"
+    if evicting:
+        caption += " (may evict signals and tasks silently: set noeviction)"
+    result = Table(title=f"counters of {namespace!r}", caption=caption)
     result.add_column("counter")
     result.add_column("value", justify="right")
     for name, value in counters.items():

@@ -436,3 +436,30 @@ def test_async_cluster_reads_every_primary(cluster: ClusterTopology) -> None:
     policies = asyncio.run(scenario())
     assert sorted(policies) == sorted(f"127.0.0.1:{node.port}" for node in cluster.primary_nodes())
     assert set(policies.values()) == {"noeviction"}
+
+
+def test_bridge_health_and_rls_stats_name_an_evicting_server() -> None:
+    """The policy is reported where operators look: the FastDeploy bridge's health() and the
+    caption of `rls stats`; a noeviction server shows there as such, with no warning."""
+    from redis_layer_signals.fastdeploy import Layer0Bridge
+    from tests.test_cli import rls
+
+    for policy in ("allkeys-lru", "noeviction"):
+        server = RedisServer(["--maxmemory-policy", policy]).start()
+        ns = namespace()
+        buffer = SignalBuffer.from_url(server.url, namespace=ns, env={})
+        bridge = Layer0Bridge(buffer, "p0", 0, num_layers=4)
+        try:
+            buffer.record("p0", 0, 0, [(1, 10)])  # the buffer's first call reads the policy
+            label = f"127.0.0.1:{server.port}"
+            expected = {label: policy} if policy != "noeviction" else {}
+            assert bridge.health().evicting == expected
+            done = rls("stats", "--redis", server.url, "--namespace", ns)
+            assert done.returncode == 0, done.stderr
+            caption = " ".join(done.stdout.split())
+            assert f"maxmemory-policy: {label} {policy}" in caption
+            assert ("set noeviction" in caption) == (policy != "noeviction")
+        finally:
+            bridge.close()
+            buffer.close()
+            server.cleanup()

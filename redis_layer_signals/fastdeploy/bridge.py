@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from .. import validation
+from .. import eviction, validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
@@ -404,6 +404,7 @@ class Layer0Bridge:
                 suppressed=self._suppressed,
                 unwritten=self._unwritten(),
                 lag_seconds=self._lag_seconds(),
+                evicting=eviction.evicting(self.buffer.policies),
             )
 
     def flush(self, timeout_s: float) -> bool:

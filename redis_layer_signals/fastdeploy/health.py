@@ -13,7 +13,7 @@ that Redis is unreachable)::
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -55,6 +55,9 @@ class BridgeHealth:
     lag_seconds: float = 0.0
     """Age of the oldest decision Redis does not hold yet (0 when caught up): how far behind
     what ``rls inspect`` and the exporter read from Redis is."""
+    evicting: Mapping[str, str] = field(default_factory=dict)
+    """The servers the buffer found with a ``maxmemory-policy`` that may evict (server: policy):
+    empty on a ``noeviction`` server. Eviction deletes what the bridge wrote without an error."""
 
 
 class BridgeMetrics(Exporter):
