@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from mkdocs.exceptions import PluginError
 
 CLI_MARKER = "<!-- rls-cli-reference -->"
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +32,7 @@ def node_modules() -> Path:
 
 
 def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.exceptions import PluginError
     from mkdocs.structure.files import File, InclusionLevel
 
     for folder in PUBLISHED:
