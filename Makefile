@@ -68,6 +68,8 @@ BEHAVIOUR := tests/test_behaviour.py tests/test_validation.py tests/test_retry.p
   tests/test_cli.py::test_simulate_cli_writes_json_with_snake_case_figures tests/test_cli.py::test_bad_arguments_print_one_line_naming_the_problem
 python-for = $(or $(lastword $(sort $(wildcard $(PYENV_ROOT)/versions/$(1).*/bin/python$(1)))),$(shell command -v python$(1)))
 
+# Kept between runs (make would delete a pattern rule's target as an intermediate file).
+.PRECIOUS: .venv-%/.installed-stamp
 .venv-%/.installed-stamp: pyproject.toml
 	@py="$(call python-for,$*)"; \
 	if [ -z "$$py" ]; then \
