@@ -40,10 +40,11 @@ def namespace() -> str:
     return f"ev-{uuid.uuid4().hex[:8]}"
 
 
-def our_keys(client: redis.Redis) -> dict[bytes, object]:
-    """Every rls key with its content, to compare the keyspace before and after a call."""
+def our_keys(client: redis.Redis, ns: str | None = None) -> dict[bytes, object]:
+    """Every rls key (of namespace ``ns`` only, on a server other tests share) with its content,
+    to compare the keyspace before and after a call."""
     dump: dict[bytes, object] = {}
-    for key in sorted(client.scan_iter(match="rls:*")):
+    for key in sorted(client.scan_iter(match="rls:*" if ns is None else f"rls:{{{ns}/*")):
         kind = client.type(key)
         if kind == b"hash":
             dump[key] = client.hgetall(key)
@@ -302,10 +303,11 @@ def test_memory_full_async_raises_the_typed_error(full_server: RedisServer) -> N
 @pytest.mark.parametrize("where", ["fake", "real"])
 def test_stray_layers_are_refused_and_write_nothing(where: str, redis_server: RedisServer) -> None:
     url = redis_server.url if where == "real" else f"memory://{uuid.uuid4().hex}"
-    with SignalBuffer.from_url(url, namespace=namespace(), env={"RLS_MAX_LAYERS": "64"}) as buffer:
+    ns = namespace()
+    with SignalBuffer.from_url(url, namespace=ns, env={"RLS_MAX_LAYERS": "64"}) as buffer:
         assert buffer.config.max_layers == 64
         assert buffer.record("p0", 0, 63, [(1, 10)]).buffered
-        before = our_keys(buffer.client)
+        before = our_keys(buffer.client, ns)
         for layer in (64, 3061, 2**40):
             with pytest.raises(InvalidSignal, match="max_layers=64") as refused:
                 buffer.record("p0", 0, layer, [(1, 10)])
@@ -313,7 +315,7 @@ def test_stray_layers_are_refused_and_write_nothing(where: str, redis_server: Re
         with pytest.raises(InvalidTask, match="max_layers=64") as refused_task:
             buffer.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=10, num_layers=65))
         assert refused_task.value.field == "num_layers"
-        assert our_keys(buffer.client) == before
+        assert our_keys(buffer.client, ns) == before
         assert buffer.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=10, num_layers=64)).recovered
 
 
