@@ -118,12 +118,13 @@ def test_cluster_primary_cut_off_until_promoted_then_healed(
 
     assert near["unavailable"] > 0, "the cut primary's calls never timed out: was it cut?"
     assert near["max_attempt_s"] <= (WAIT_BOUND_S if wait else DIRECT_BOUND_S), figures
-    assert accounting["twice"] == 0, figures
     if exact:
+        assert accounting["twice"] == 0, figures
         assert accounting["signals_lost"] == accounting["registrations_lost"] == 0, figures
     else:
         # wait_replicas=0 with the replica cut first: what the primary acknowledged after its
-        # replica fell behind was never replicated, and the promotion discarded it.
+        # replica fell behind was never replicated, and the promotion discarded it, reply keys
+        # included, so a resend of such a call runs again (a signal may be handed out twice).
         assert accounting["signals_lost"] > 0, figures
     if far["unavailable"] or far["max_attempt_s"] > BYSTANDER_BOUND_S:
         # Known gap, reported on every run where it shows (about one in three on the direct
