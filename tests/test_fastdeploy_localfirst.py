@@ -6,6 +6,8 @@ one call."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import queue
 import signal
 import time
@@ -240,15 +242,20 @@ def test_sixty_second_outage_at_full_load_holds_a_bounded_state_and_writes_back_
         buffer.close()
 
 
-@pytest.mark.parametrize("first", ["consumer", "adder"])
-def test_expired_signal_is_not_queued_to_the_next_request_when_the_adder_runs_in_another_process(
-    server: RedisServer, first: str
-) -> None:
-    """The failure: with the adder in another process, a replayed ``record`` took the replay's
-    time as its recording time, so a signal whose TTL ran out during the outage lived again and
-    the next request on the slot was queued ``(6, 4096)``, blocks the GPU never wrote for it.
-    A replay keeps the time of the decision it replays: whichever process writes back first,
-    the signal stays expired and nothing is queued."""
+@dataclasses.dataclass
+class TwoProcesses:
+    """A consumer and an adder bridge on buffers of their own (two processes of one rank, the
+    adder registering), sharing one test clock and one sender queue."""
+
+    clock: Clock
+    ready: queue.Queue[Any]
+    buffers: list[SignalBuffer]
+    consumer: Layer0Bridge
+    adder: Layer0Bridge
+
+
+@contextlib.contextmanager
+def two_processes(server: RedisServer) -> Iterator[TwoProcesses]:
     clock = Clock()
     ready: queue.Queue[Any] = queue.Queue()
     namespace = f"xproc-{uuid.uuid4().hex[:8]}"
@@ -260,6 +267,25 @@ def test_expired_signal_is_not_queued_to_the_next_request_when_the_adder_runs_in
         Layer0Bridge(b, "p0", 0, num_layers=LAYERS, ready=ready, registers_tasks=False, probe_s=60) for b in buffers
     )
     try:
+        yield TwoProcesses(clock, ready, buffers, consumer, adder)
+    finally:
+        for bridge in (consumer, adder):
+            bridge.close()
+        for buffer in buffers:
+            buffer.close()
+
+
+@pytest.mark.parametrize("first", ["consumer", "adder"])
+def test_expired_signal_is_not_queued_to_the_next_request_when_the_adder_runs_in_another_process(
+    server: RedisServer, first: str
+) -> None:
+    """The failure: with the adder in another process, a replayed ``record`` took the replay's
+    time as its recording time, so a signal whose TTL ran out during the outage lived again and
+    the next request on the slot was queued ``(6, 4096)``, blocks the GPU never wrote for it.
+    A replay keeps the time of the decision it replays: whichever process writes back first,
+    the signal stays expired and nothing is queued."""
+    with two_processes(server) as run:
+        clock, ready, buffers, consumer, adder = run.clock, run.ready, run.buffers, run.consumer, run.adder
         server.kill()
         consumer.on_kv_signal(kv((6, 0, 4096)))  # recorded for a request that then went away
         clock.ms += int(TTL_S * 1000) + 1
@@ -272,28 +298,14 @@ def test_expired_signal_is_not_queued_to_the_next_request_when_the_adder_runs_in
         stats = buffers[0].stats()
         assert (stats["recorded"], stats["expired"] + stats.get("dropped_expired", 0), stats["recovered"]) == (1, 1, 0)
         assert stats["delivered"] == 0
-    finally:
-        for bridge in (consumer, adder):
-            bridge.close()
-        for buffer in buffers:
-            buffer.close()
 
 
 @pytest.mark.parametrize("first", ["consumer", "adder"])
 def test_signal_in_time_stays_in_time_whichever_process_writes_back_first(server: RedisServer, first: str) -> None:
     """The other half: a signal that met its task within the TTL is handed over exactly once,
     even when both write-backs reach Redis after the TTL has run out."""
-    clock = Clock()
-    ready: queue.Queue[Any] = queue.Queue()
-    namespace = f"xproc-{uuid.uuid4().hex[:8]}"
-    buffers = [
-        SignalBuffer.from_url(server.url, namespace=namespace, pending_ttl_s=TTL_S, retry_s=0.2, clock=clock, env={})
-        for _ in range(2)
-    ]
-    consumer, adder = (
-        Layer0Bridge(b, "p0", 0, num_layers=LAYERS, ready=ready, registers_tasks=False, probe_s=60) for b in buffers
-    )
-    try:
+    with two_processes(server) as run:
+        clock, ready, buffers, consumer, adder = run.clock, run.ready, run.buffers, run.consumer, run.adder
         server.kill()
         consumer.on_kv_signal(kv((6, 0, 4096)))
         clock.ms += 500
@@ -307,11 +319,6 @@ def test_signal_in_time_stays_in_time_whichever_process_writes_back_first(server
         assert ready.empty()
         stats = buffers[0].stats()
         assert stats["recovered"] + stats["delivered"] == 1 and stats["expired"] == 0
-    finally:
-        for bridge in (consumer, adder):
-            bridge.close()
-        for buffer in buffers:
-            buffer.close()
 
 
 def test_hook_that_waits_past_its_budget_journals_and_the_call_counts_once(server: RedisServer) -> None:
