@@ -8,13 +8,14 @@
 -- keys[2] pending  hash    "<slot>:<layer>" -> pending signal; "layers" (see _lib.lua)
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)
--- keys[5] reply    string  this call's idempotency token
+-- keys[5] writer   string  "<batch>|<reply>": the last batch this writer's process applied
+--                          and its reply (one key per writing process, not one per call)
 -- args[1] now_ms (empty: server TIME)   args[2] layer of the pending signals
 -- args[3] pending_ttl_ms                args[4] pending key TTL in ms (pending_ttl + grace)
 -- args[5] task_ttl_ms                   args[6] live key TTL in ms (task_ttl + grace)
--- args[7] reply_ttl_ms
--- args[8] counters to add, "<name>=<n>;" each: decisions on signals and tasks Redis never saw
--- args[9...] eight per slot:
+-- args[7] writer key TTL in ms          args[8] batch: the writer's sequence number of this call
+-- args[9] counters to add, "<name>=<n>;" each: decisions on signals and tasks Redis never saw
+-- args[10...] eight per slot:
 --   slot; prior: the request id the process last wrote as the slot's holder ('' none, '?'
 --   unknown); lease: the live entry, "<deadline ms16>|<request id>" ('' the slot has no task);
 --   document; recovery payload; pending: the slot's signal of args[2] as stored,
@@ -31,31 +32,35 @@
 -- the process holds it: its task (or none) and its pending signal (or none), with the times the
 -- process decided at. A fate is counted only while Redis still holds the signal it ends: one
 -- that a reader's sweep expired meanwhile is counted once, as expired. No sweep runs here (the
--- process decides expiries and sends them as fates). A resend with the same token returns the
--- first reply and writes nothing new. Work is bounded by the slots listed (one HGET of the
+-- process decides expiries and sends them as fates). The writer sends its batches one at a
+-- time, numbered, and resends one until it has the reply: a resend of the batch the writer key
+-- names returns the first reply and writes nothing new, however long the outage that delayed
+-- it (a per-call reply key would expire, and the resend would add the counters again). Work is bounded by the slots listed (one HGET of the
 -- live hash and at most two of the pending hash each).
 
 local SLOT_ARGS = 8
 
 local function apply(keys, args)
-  local live_key, pending_key, expiry_key, stats_key, reply_key = keys[1], keys[2], keys[3], keys[4], keys[5]
+  local live_key, pending_key, expiry_key, stats_key, writer_key = keys[1], keys[2], keys[3], keys[4], keys[5]
 
-  local cached = replayed_reply(reply_key, stats_key)
-  if cached then
-    return cached
+  local batch = args[8]
+  local last = redis.call('GET', writer_key)
+  if last and string.sub(last, 1, #batch + 1) == batch .. '|' then
+    redis.call('HINCRBY', stats_key, 'replayed', 1)
+    return string.sub(last, #batch + 2)
   end
 
   local now = now_ms(args[1])
   local layer = args[2]
   local pending_ttl, task_ttl = tonumber(args[3]), tonumber(args[5])
 
-  for name, n in string.gmatch(args[8], '([^=;]+)=(%d+);') do
+  for name, n in string.gmatch(args[9], '([^=;]+)=(%d+);') do
     count(stats_key, name, tonumber(n))
   end
 
   local overridden, live_set, live_deleted, pending_set, pending_deleted = 0, false, false, false, {}
   local zadd = {'LT'}
-  for first = 9, #args, SLOT_ARGS do
+  for first = 10, #args, SLOT_ARGS do
     local slot, prior, lease, doc, recovery, signal, fate, fated = unpack(args, first, first + SLOT_ARGS - 1)
 
     local current = redis.call('HGET', live_key, slot)
@@ -110,7 +115,8 @@ local function apply(keys, args)
   local tasks = math.max(0, math.floor((redis.call('HLEN', live_key) - 1) / 3))
   local signals = math.max(0, redis.call('HLEN', pending_key) - 2)
   local reply = 'ok|' .. fmt(now) .. '|' .. overridden .. ',' .. tasks .. ',' .. signals
-  return remember_reply(reply_key, reply, args[7])
+  redis.call('SET', writer_key, batch .. '|' .. reply, 'PX', args[7])
+  return reply
 end
 
 redis.register_function('rls_v2_apply_' .. DIGEST, apply)

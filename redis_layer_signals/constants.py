@@ -40,6 +40,9 @@ TASK_KEY_GRACE_S = 30.0
 """Extra life of the live hash (leases and task documents) beyond the task lease."""
 REPLY_GRACE_S = 5.0
 """A reply is remembered for retry_s plus this, longer than any resend of the same call."""
+WRITER_KEY_TTL_S = 24 * 3600.0
+"""The FastDeploy bridge's writer key (its last applied batch and reply) outlives the writing
+process by this: a resend of that batch, however late, is recognised meanwhile."""
 SWEEP_LIMIT = 64
 """Slots one call may sweep for expired signals: bounds the time a function blocks the server."""
 

@@ -28,6 +28,10 @@ class RankKeys:
         """Idempotency key of one call: holds its reply while a resend could still come."""
         return f"{KEY_PREFIX}:{self.tag}:reply:{token}"
 
+    def writer(self, token: str) -> str:
+        """The last batch one writing process applied (lua/apply.lua), and its reply."""
+        return f"{KEY_PREFIX}:{self.tag}:writer:{token}"
+
     @property
     def per_request(self) -> tuple[str, str, str]:
         """Keys that hold per-request state and must carry a TTL."""

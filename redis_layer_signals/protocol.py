@@ -22,6 +22,7 @@ from .constants import (
     REPLY_GRACE_S,
     SWEEP_LIMIT,
     TASK_KEY_GRACE_S,
+    WRITER_KEY_TTL_S,
 )
 from .errors import InvalidSignal, InvalidTask, SlotOccupied
 from .keys import KeySpace, RankKeys
@@ -232,6 +233,7 @@ class Protocol:
         self._task_ttl = _ms(config.task_ttl_s)
         self._task_key_ttl = _ms(config.task_ttl_s + TASK_KEY_GRACE_S)
         self._reply_ttl = _ms(config.retry_s + REPLY_GRACE_S)
+        self._writer_key_ttl = _ms(WRITER_KEY_TTL_S)
         self._sweep = str(SWEEP_LIMIT)
         self._max_layers = config.max_layers
         """Layers are below it: each distinct pending layer of a rank costs its calls time."""
@@ -364,10 +366,18 @@ class Protocol:
     # -- apply (the FastDeploy bridge's writer) ----------------------------------------------
 
     def apply(
-        self, keys: RankKeys, layer: int, counts: dict[str, int], slots: Sequence[SlotState]
+        self,
+        keys: RankKeys,
+        layer: int,
+        counts: dict[str, int],
+        slots: Sequence[SlotState],
+        writer: str,
+        batch: int,
     ) -> Prepared[Applied]:
         """Write one owner's decisions: its counters and the listed slots' state. The caller
-        (the bridge's writer) builds ``slots`` from state it validated when it decided."""
+        (the bridge's writer) builds ``slots`` from state it validated when it decided.
+        ``writer`` names the writing process (a token of its own) and ``batch`` numbers its
+        calls in order: a batch resent after it was applied changes nothing, however late."""
         args = [
             self._now(),
             str(layer),
@@ -375,12 +385,13 @@ class Protocol:
             self._pending_key_ttl,
             self._task_ttl,
             self._task_key_ttl,
-            self._reply_ttl,
+            self._writer_key_ttl,
+            str(batch),
             "".join(f"{name}={n};" for name, n in counts.items() if n > 0),
         ]
         for state in slots:
             args.extend(state)
-        call = ScriptCall("apply", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())], args)
+        call = ScriptCall("apply", [keys.live, keys.pending, keys.expiry, keys.stats, keys.writer(writer)], args)
         return _Apply(call)
 
     def live_entry(self, deadline_ms: int, request_id: str) -> str:

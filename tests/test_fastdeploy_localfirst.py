@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from redis_layer_signals import CacheTask, InvalidConfig, SignalBuffer, SlotOccupied
 from redis_layer_signals.fastdeploy import Layer0Bridge
@@ -363,3 +364,40 @@ def test_bad_hook_budget_is_refused(value: Any) -> None:
     with pytest.raises(InvalidConfig) as caught:
         Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, hook_budget_ms=value)
     assert caught.value.field == "hook_budget_ms"
+
+
+def test_batch_resent_after_a_long_outage_adds_its_counters_once(server: RedisServer) -> None:
+    """Redis applies a batch and the reply is lost; the writer resends it only after an outage
+    longer than any per-call reply key lives (here: every reply key of the namespace deleted
+    before the resend). The resend is recognised by the writer's batch number, so the counters
+    advance once and the later batches still apply."""
+
+    class ReplyLost(SignalBuffer):
+        lost = 0
+
+        def apply(self, prepared: Any) -> Any:
+            result = super().apply(prepared)
+            if not self.lost:
+                self.lost += 1
+                for key in self.client.scan_iter(match=self.protocol.keys.pattern("reply:*")):
+                    self.client.delete(key)
+                raise redis.ConnectionError("the reply was lost on its way back")
+            return result
+
+    buffer = ReplyLost.from_url(server.url, namespace=f"lost-{uuid.uuid4().hex[:8]}", retry_s=0.5, env={})
+    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, probe_s=0.05)
+    try:
+        assert bridge.on_kv_signal(kv((3, 0, 128))) == []
+        assert bridge.on_cache_task(cache_info(3, "req-1", need=128)) == [(3, 128)]
+        assert bridge.flush(WAIT_S)
+        assert buffer.lost == 1
+        bridge.on_task_finished(3, "req-1")
+        assert bridge.flush(WAIT_S)
+        stats = buffer.stats()
+        fates = {name: stats.get(name, 0) for name in ("recorded", "buffered", "registered", "recovered", "finished")}
+        assert fates == {"recorded": 1, "buffered": 1, "registered": 1, "recovered": 1, "finished": 1}
+        assert stats["replayed"] >= 1
+        assert buffer.task("p0", 0, 3) is None and buffer.pending("p0", 0, 3) == []
+    finally:
+        bridge.close()
+        buffer.close()

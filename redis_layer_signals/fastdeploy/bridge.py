@@ -44,6 +44,7 @@ from ..buffer import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
+from ..protocol import new_token
 from .health import BridgeHealth
 from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, replay
 from .local import EarlySignal, LocalState
@@ -172,6 +173,9 @@ class Layer0Bridge:
         self._written = 0
         self._resync = False
         """Redis holds other slots than the process believes: the next batch lists them all."""
+        self._writer_token = new_token()
+        """Names this process's writer in Redis: its batches are numbered under it (apply.lua)."""
+        self._batches = 0
         self._gates: dict[int, Batch] = {}
         """Slots whose registration is on its way to Redis: later batches wait here."""
         self._journal: collections.deque[Operation] = collections.deque()
@@ -556,7 +560,10 @@ class Layer0Bridge:
                 self._in_flight = (started, batch.decisions)
                 self._pending_since = None
             keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
-            prepared = self.buffer.protocol.apply(keys, SIGNAL_LAYER, batch.counts, batch.slots)
+            self._batches += 1
+            prepared = self.buffer.protocol.apply(
+                keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches
+            )
             every_slot = False
             while True:
                 try:
