@@ -6,6 +6,7 @@
 -- keys[3] expiry   zset
 -- keys[4] stats    hash
 -- keys[5] reply    string  a reply key of the rank (any token: ACL patterns match names)
+-- keys[6] ended    hash
 -- args[1] none; the function takes no arguments
 --
 -- Reply: "" when every command is allowed, else "<command> <key>": the first one refused
@@ -22,7 +23,7 @@ local function permissions(keys, args)
   if not redis.acl_check_cmd then
     return ''
   end
-  local live, pending, expiry, stats, reply = keys[1], keys[2], keys[3], keys[4], keys[5]
+  local live, pending, expiry, stats, reply, ended = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6]
   local checks = {
     {'time'},
     {'get', reply},
@@ -34,7 +35,7 @@ local function permissions(keys, args)
     {'pexpire', expiry, '1'},
     {'del', expiry},
   }
-  for _, hash in ipairs({live, pending}) do
+  for _, hash in ipairs({live, pending, ended}) do
     checks[#checks + 1] = {'hget', hash, 'f'}
     checks[#checks + 1] = {'hmget', hash, 'f'}
     checks[#checks + 1] = {'hset', hash, 'f', 'v'}

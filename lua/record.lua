@@ -6,6 +6,7 @@
 -- keys[3] expiry   zset    slot group -> at or before its earliest pending deadline
 -- keys[4] stats    hash    counters (no TTL)
 -- keys[5] reply    string  this call's idempotency token: the reply, kept reply_ttl_ms
+-- keys[6] ended    hash    slot -> "<finished at ms>|<request id>": the slot's latest finish
 -- args[1] now_ms: the time the call decides at (empty: server TIME); a replay passes the time
 --         the signals were first recorded at, on the server's clock
 -- args[2] layer
@@ -18,7 +19,10 @@
 -- args[10] task_ttl_ms of the holders, given with a time of the caller's (args[1]: a replay,
 --         or a call sent late, may decide in the past); empty with the server's TIME. A holder registered (its lease deadline minus this) at or after the
 --         signals' deadline came too late for them: they are buffered as of args[1], already
---         expired, and the next sweep counts them expired.
+--         expired, and the next sweep counts them expired. A slot finished after args[1]
+--         (`ended`) ended the signal: it is counted buffered and finish_dropped, as that
+--         finish would have counted it, and neither delivered nor kept (the slot may hold the
+--         next request by now).
 --
 -- Reply: "ok|<now ms>|<flags>", one flag per entry in order: D delivered (the slot has a live
 -- task of this request, or of any request when the signal carries none), B buffered.
@@ -42,6 +46,7 @@ end
 
 local function record(keys, args)
   local live_key, pending_key, expiry_key, stats_key, reply_key = keys[1], keys[2], keys[3], keys[4], keys[5]
+  local ended_key = keys[6]
 
   local cached = replayed_reply(reply_key, stats_key)
   if cached then
@@ -76,16 +81,33 @@ local function record(keys, args)
   -- A replay: a holder whose lease ends at or after this stamp registered after the signals'
   -- deadline (lease deadline = registered at + task TTL), too late for them.
   local late16 = args[10] ~= nil and args[10] ~= '' and ms16(now + tonumber(args[3]) + tonumber(args[10])) or nil
-  local buffered = {}
+  -- A replay: the slot's latest finish, when it came after the signals (and was of their
+  -- request, or they name none), ended them. A finish writes at most one field per slot.
+  local finished = late16 and redis.call('HMGET', ended_key, unpack(slots)) or {}
+  local buffered, ended = {}, {}
   for i = 1, n do
     local value = holders[i]
-    local delivered = value and value > next16 and not (late16 and value >= late16)
-    if delivered and with_rids then
-      local rest = rests[i]
-      delivered = sub(rest, -1) == ',' or sub(rest, find(rest, ',', 1, true) + 1) == sub(value, 18)
+    local finish = finished[i]
+    if finish and tonumber(sub(finish, 1, find(finish, '|', 1, true) - 1)) > now then
+      rests = rests or split_rests(args[9])
+      local rid = sub(rests[i], find(rests[i], ',', 1, true) + 1)
+      if rid ~= '' and rid ~= sub(finish, find(finish, '|', 1, true) + 1) then
+        finish = nil -- a signal of another request: that finish left it
+      end
+    else
+      finish = nil
     end
-    if not delivered then
-      buffered[#buffered + 1] = i
+    if finish then
+      ended[#ended + 1] = i
+    else
+      local delivered = value and value > next16 and not (late16 and value >= late16)
+      if delivered and with_rids then
+        local rest = rests[i]
+        delivered = sub(rest, -1) == ',' or sub(rest, find(rest, ',', 1, true) + 1) == sub(value, 18)
+      end
+      if not delivered then
+        buffered[#buffered + 1] = i
+      end
     end
   end
 
@@ -115,21 +137,26 @@ local function record(keys, args)
   end
 
   -- "recorded" is delivered + buffered, added up when the counters are read.
-  count(stats_key, 'delivered', n - #buffered)
-  count(stats_key, 'buffered', #buffered)
+  count(stats_key, 'delivered', n - #buffered - #ended)
+  count(stats_key, 'buffered', #buffered + #ended)
   count(stats_key, 'superseded', superseded)
-  -- The reply's flags. A batch all delivered or all buffered, the common ones, is one
-  -- string.rep; a mixed one is D, then B where buffered.
+  count(stats_key, 'finish_dropped', #ended)
+  -- The reply's flags (an entry a later finish ended reads B: buffered, then dropped). A batch
+  -- all delivered or all buffered, the common ones, is one string.rep; a mixed one is D, then
+  -- B where buffered.
   local flags
-  if #buffered == 0 or #buffered == n then
-    flags = string.rep(#buffered == 0 and 'D' or 'B', n)
+  local not_delivered = #buffered + #ended
+  if not_delivered == 0 or not_delivered == n then
+    flags = string.rep(not_delivered == 0 and 'D' or 'B', n)
   else
     local each = {}
     for i = 1, n do
       each[i] = 'D'
     end
-    for _, i in ipairs(buffered) do
-      each[i] = 'B'
+    for _, list in ipairs({buffered, ended}) do
+      for _, i in ipairs(list) do
+        each[i] = 'B'
+      end
     end
     flags = table.concat(each)
   end

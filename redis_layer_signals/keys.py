@@ -23,6 +23,7 @@ class RankKeys:
     pending: str  # hash: "<slot>:<layer>" -> one early signal; "layers" -> the rank's layers
     expiry: str  # zset: slot group (slot // 8) scored at or before its earliest pending deadline
     stats: str  # hash: counters; the only key without a TTL
+    ended: str  # hash: slot -> "<finished at ms>|<request id>", the slot's latest finish
 
     def reply(self, token: str) -> str:
         """Idempotency key of one call: holds its reply while a resend could still come."""
@@ -33,9 +34,9 @@ class RankKeys:
         return f"{KEY_PREFIX}:{self.tag}:writer:{token}"
 
     @property
-    def per_request(self) -> tuple[str, str, str]:
+    def per_request(self) -> tuple[str, str, str, str]:
         """Keys that hold per-request state and must carry a TTL."""
-        return (self.live, self.pending, self.expiry)
+        return (self.live, self.pending, self.expiry, self.ended)
 
 
 class KeySpace:
@@ -57,6 +58,7 @@ class KeySpace:
                 pending=base + "pending",
                 expiry=base + "expiry",
                 stats=base + "stats",
+                ended=base + "ended",
             )
             self._ranks[(instance, rank)] = cached
         return cached

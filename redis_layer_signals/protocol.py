@@ -285,7 +285,7 @@ class Protocol:
         now = self._now(at_ms)
         call = ScriptCall(
             "record",
-            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
+            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token()), keys.ended],
             [
                 now,
                 str(layer),
@@ -352,13 +352,15 @@ class Protocol:
         validation.identifier(request_id, "request_id", InvalidTask)
         call = ScriptCall(
             "finish",
-            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token())],
+            [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply(new_token()), keys.ended],
             [
                 self._now(at_ms),
                 str(slot),
                 request_id,
                 self._reply_ttl,
                 self._sweep,
+                self._pending_ttl,
+                self._pending_key_ttl,
             ],
         )
         return _Finish(call)
@@ -419,7 +421,9 @@ class Protocol:
         owner = self.keys.owner(call.keys[0])
         assert owner is not None, call.keys[0]  # a sweep's keys are built by sweep() above
         keys = self.keys.rank(*owner)
-        return ScriptCall("permissions", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply("check")], [])
+        return ScriptCall(
+            "permissions", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply("check"), keys.ended], []
+        )
 
     def slot_keys(self, instance: Any, rank: Any, slot: Any) -> RankKeys:
         keys = self.rank_keys(instance, rank, InvalidTask)

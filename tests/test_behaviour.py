@@ -291,3 +291,23 @@ def test_stats_account_for_every_signal(buf: SignalBuffer) -> None:
     s = buf.stats()
     assert s["recorded"] == 5 and s["delivered"] == 1 and s["buffered"] == 4
     assert ended(s) == s["buffered"]
+
+
+def test_signal_written_back_after_its_slot_finished_ends_with_that_finish(buf: SignalBuffer) -> None:
+    """A replay decides as of the time it carries (``at_ms``). A signal recorded before its
+    slot's latest finish, of that request or naming none, ends as that finish ended the slot's
+    signals (buffered, then finish_dropped), even when the slot holds the next request by now;
+    one recorded after the finish, or naming another request, is kept as ever."""
+    now = int(buf.client.time()[0]) * 1000 + 10_000  # ahead of the server: clear of its TIME
+    buf.register(task(slot=3, request_id="a"), at_ms=now)
+    buf.finish("p0", 0, 3, "a", at_ms=now + 100)
+    buf.register(task(slot=3, request_id="b"), at_ms=now + 200)
+    buf.finish("p0", 0, 4, "a", at_ms=now + 100)
+    res = buf.record("p0", 0, 0, [(3, 10), (4, 20), (4, 30, "other")], at_ms=now + 50)
+    assert res.delivered == [] and [s.slot for s in res.buffered] == [3, 4, 4]
+    assert [(s.tokens, s.request_id) for s in buf.pending("p0", 0, 4)] == [(30, "other")]
+    assert buf.pending("p0", 0, 3) == []
+    later = buf.record("p0", 0, 0, [(4, 40)], at_ms=now + 150)
+    assert [s.tokens for s in buf.pending("p0", 0, 4)] == [40] and later.buffered
+    stats = buf.stats()
+    assert (stats["buffered"], stats["finish_dropped"], stats["superseded"], stats["delivered"]) == (4, 2, 1, 0)

@@ -322,6 +322,46 @@ def test_signal_in_time_stays_in_time_whichever_process_writes_back_first(server
         assert stats["recovered"] + stats["delivered"] == 1 and stats["expired"] == 0
 
 
+@pytest.mark.parametrize("first", ["consumer", "adder"])
+def test_signal_of_a_finished_request_is_not_left_for_the_next_one_whichever_writes_back_first(
+    server: RedisServer, first: str
+) -> None:
+    """An outage shorter than the TTL, the adder in another process: a signal, then its task
+    registered and finished (aborted: it never met the signal across the processes). When the
+    adder wrote back the registration and the finish before the consumer wrote back the signal,
+    the signal was pending again and the slot's next request took it. The finish leaves a mark
+    in Redis, so the signal recorded before it ends as that finish would have ended it
+    (``finish_dropped``); written back first, the signal is popped by the replayed registration
+    (``recovered``) and not queued, since the request has finished in the adder's process.
+    Either way the signal ends once and the next request gets nothing."""
+    with two_processes(server) as run:
+        clock, ready, buffers, consumer, adder = run.clock, run.ready, run.buffers, run.consumer, run.adder
+        server.kill()
+        consumer.on_kv_signal(kv((6, 0, 4096)))
+        clock.ms += 100
+        adder.on_cache_task(cache_info(6, "req-1", need=8192))
+        clock.ms += 100
+        adder.on_task_finished(6, "req-1")
+        clock.ms += 100
+        # The outage outlasts the calls that were on their way (each gives up after retry_s),
+        # so each write-back is one process's journal: the order is the test's.
+        in_flight = [op.future for bridge in (consumer, adder) for op in bridge._journal if hasattr(op, "future")]
+        wait_until(lambda: all(future.done() for future in in_flight), WAIT_S, what="the calls on their way to fail")
+        server.start()
+        order = (consumer, adder) if first == "consumer" else (adder, consumer)
+        for bridge in order:
+            assert bridge.reconcile()
+        assert buffers[0].pending("p0", 0, 6) == []
+        adder.on_cache_task(cache_info(6, "req-2", need=8192))
+        assert ready.empty(), f"queued {ready.get_nowait()}"
+        stats = buffers[0].stats()
+        ended = {"finish_dropped": stats.get("finish_dropped", 0), "recovered": stats.get("recovered", 0)}
+        assert ended == (
+            {"finish_dropped": 1, "recovered": 0} if first == "adder" else {"finish_dropped": 0, "recovered": 1}
+        )
+        assert (stats["recorded"], stats.get("delivered", 0)) == (1, 0)
+
+
 def test_hook_that_waits_past_its_budget_journals_and_the_call_counts_once(server: RedisServer) -> None:
     """Where Redis judges (the adder in another process), a hook waits for its call at most
     ``hook_budget_ms``: with Redis hung (SIGSTOP), it returns within the budget and the bridge

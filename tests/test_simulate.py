@@ -54,7 +54,7 @@ def test_simulate_on_memory_sends_every_layer_of_every_chunk_exactly_once() -> N
     assert summary.record_p50_ms is not None and summary.register_p99_ms is not None
 
 
-def test_simulate_on_real_redis_with_a_process_per_rank_leaves_only_counters(
+def test_simulate_on_real_redis_with_a_process_per_rank_leaves_only_counters_and_expiring_marks(
     redis_server: RedisServer, namespace: str
 ) -> None:
     config = SimConfig(url=redis_server.url, namespace=namespace, timeout_s=120, **SMALL)  # type: ignore[arg-type]
@@ -67,7 +67,8 @@ def test_simulate_on_real_redis_with_a_process_per_rank_leaves_only_counters(
     assert summary.recovered >= sum(r.early for r in planned(config))
     client = redis_server.client()
     left = [k.decode() for k in client.scan_iter(match=f"rls:{{{namespace}/*", count=1000)]
-    assert left and all(k.endswith(":stats") or (":reply:" in k and client.pttl(k) > 0) for k in left), left
+    marks = [k for k in left if ":reply:" in k or k.endswith(":ended")]  # replies, finishes: a TTL each
+    assert left and all(k.endswith(":stats") or (k in marks and client.pttl(k) > 0) for k in left), left
     counted = [int(client.hget(k, f) or 0) for k in left if k.endswith(":stats") for f in ("delivered", "buffered")]
     assert sum(counted) == summary.signals
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from redis_layer_signals import CacheTask, SignalBuffer
+from redis_layer_signals.constants import PENDING_KEY_GRACE_S
 from tests.servers import RedisServer
 
 
@@ -44,14 +45,20 @@ def test_pending_key_ttl_covers_the_pending_ttl_plus_grace(url: str, namespace: 
     buf.close()
 
 
-def test_released_slots_leave_only_counters_and_reply_tokens(buf: SignalBuffer) -> None:
+def test_released_slots_leave_only_counters_reply_tokens_and_finish_marks(buf: SignalBuffer) -> None:
+    """Finish removes the slot's task and signals; what stays is the counters, the reply
+    tokens, and the marks of the finishes (for a signal written back later), which expire
+    with the pending TTL and its grace."""
     buf.record("p0", 0, 0, [(1, 10)])
     buf.register(task(1, "a"))
     buf.record("p0", 0, 1, [(1, 20)])
     buf.finish("p0", 0, 1, "a")
     buf.finish("p0", 0, 2, "never-registered")
-    left = [k for k in namespace_keys(buf) if ":reply:" not in k]
-    assert left == [buf.protocol.keys.rank("p0", 0).stats]
+    keys = buf.protocol.keys.rank("p0", 0)
+    left = sorted(k for k in namespace_keys(buf) if ":reply:" not in k)
+    assert left == sorted([keys.stats, keys.ended])
+    assert sorted(buf.client.hkeys(keys.ended)) == [b"1", b"2"]
+    assert 0 < buf.client.pttl(keys.ended) <= (buf.config.pending_ttl_s + PENDING_KEY_GRACE_S) * 1000
 
 
 def test_unclaimed_signal_expires_on_real_redis_and_is_counted(redis_server: RedisServer, namespace: str) -> None:

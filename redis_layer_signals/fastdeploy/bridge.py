@@ -46,7 +46,7 @@ from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from ..protocol import new_token
 from .health import BridgeHealth
-from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, replay
+from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, registered_by, replay
 from .local import EarlySignal, LocalState
 from .owner import OwnedRank
 from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
@@ -453,6 +453,11 @@ class Layer0Bridge:
                 moved = entries_in(op)
                 self._reconciled += moved
                 self._episode_reconciled += moved
+                task = registered_by(op)
+                if task is not None and not self._holds(task):
+                    # Finished (or replaced) here since: its blocks must not reach the sender,
+                    # which would send them for whatever holds the slot now.
+                    handed = []
                 # Nothing of these was queued here: the task or the signal was in another process.
                 self._queue(handed)
 
@@ -720,6 +725,11 @@ class Layer0Bridge:
         self._journal.append(op)
         self._local_calls[operation] += 1
         self._episode_calls += 1
+
+    def _holds(self, task: CacheTask) -> bool:
+        """Under the lock: ``task`` is still its slot's task in this process."""
+        holder = self.local.tasks.get(task.slot)
+        return holder is not None and holder.task.request_id == task.request_id
 
     def _queue(self, entries: Iterable[tuple[int, int]]) -> Batch:
         """Put one batch on the sender's queue: entries of a slot whose registration is on its

@@ -88,6 +88,13 @@ def replay(buffer: SignalBuffer, instance: str, rank: int, op: Operation) -> lis
     return []
 
 
+def registered_by(op: Operation) -> CacheTask | None:
+    """The task ``op`` registers, if it is a registration."""
+    if isinstance(op, PendingCall):
+        op = op.fallback
+    return op.task if isinstance(op, RegisterOp) else None
+
+
 def entries_in(op: Operation) -> int:
     """How many entries writing ``op`` back moves (the reconciled-entries metric)."""
     if isinstance(op, PendingCall):

@@ -79,8 +79,10 @@ class RedisHandoff:
         stray = []
         for raw in client.scan_iter(match=f"{KEY_PREFIX}:{tag}:*", count=1000):
             key = text(raw)
-            # PTTL -1: no TTL, left for good; -2: the reply key expired since SCAN listed it.
-            if key.endswith(":stats") or (":reply:" in key and int(client.pttl(key)) != -1):
+            # Marks that expire on their own: replies, a writer's last batch, the finishes.
+            # PTTL -1: no TTL, left for good; -2: the key expired since SCAN listed it.
+            marks = ":reply:" in key or ":writer:" in key or key.endswith(":ended")
+            if key.endswith(":stats") or (marks and int(client.pttl(key)) != -1):
                 continue
             stray.append(key)
         return stray
