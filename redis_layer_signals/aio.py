@@ -204,12 +204,16 @@ class AsyncSignalBuffer(BufferBase):
         call = prepared.call
         if call is None:
             return prepared.parse(None)
-        if self.owed:
-            await self._settle(call.keys[0])
         observer = self.observer
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
+        if self.owed:  # within this call's time: a call's bound holds with finishes owed
+            try:
+                async with async_timeout(self.config.retry_s):
+                    await self._settle(call.keys[0])
+            except asyncio.TimeoutError as exc:
+                raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
         # The call's deadline: a plain client reads each reply within it; the others get one
         # timeout over the whole call, resends included (see deadline.py).
         token = call_deadline.set(started + self.config.retry_s)
@@ -217,7 +221,7 @@ class AsyncSignalBuffer(BufferBase):
             if self._direct is not None:
                 reply = await self._attempts(operation, call, started)
             else:
-                async with async_timeout(self.config.retry_s):
+                async with async_timeout(started + self.config.retry_s - time.monotonic()):
                     reply = await self._attempts(operation, call, started)
         except OutOfMemoryError as exc:
             raise ServerOutOfMemory(operation, exc) from exc
@@ -238,7 +242,7 @@ class AsyncSignalBuffer(BufferBase):
         for index, finish in enumerate(owed):
             try:
                 await self._execute(finish)
-            except BufferUnavailable:
+            except BaseException:  # unsent (a timeout cancels it too): owed still
                 self.owed.give_back(key, owed[index:])
                 raise
 

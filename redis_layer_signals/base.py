@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from . import routing
 from .config import BufferConfig
 from .owed import OwedFinishes
 from .protocol import Clock, Protocol
@@ -101,6 +102,8 @@ class BufferBase:
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
         self._direct = self.direct_calls(client)
+        self._cluster = routing.is_cluster(client)
+        """A Cluster client: the sync buffer routes its function calls itself (see ``routing``)."""
         self._server_unchecked = True
         """Set until the server's maxmemory-policy is read, and again after a retryable error
         (a reconnect may reach another node): the only eviction cost a call pays is this test."""

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
 
-from . import connection, deadline, eviction, replication, wire
+from . import connection, deadline, eviction, replication, routing, wire
 from .base import BufferBase
 from .counters import sum_stats
 from .errors import BufferUnavailable, ServerOutOfMemory
@@ -195,6 +195,9 @@ class SignalBuffer(BufferBase):
         send: Callable[[], Any]
         if direct is not None:
             send = partial(direct.run, wire.fcall(function, call.keys, call.args))
+        elif self._cluster:  # routed by the buffer: never a refresh on this thread (see routing)
+            key = call.keys[0]
+            send = partial(routing.on_key_node, self.client, key, call.script, partial(self._fcall_on, function, call))
         else:
             send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
         try:
@@ -209,6 +212,10 @@ class SignalBuffer(BufferBase):
             if function_missing(exc):
                 raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
             raise
+
+    @staticmethod
+    def _fcall_on(function: str, call: ScriptCall, node_client: Any, asking: bool) -> Any:
+        return routing.fcall(node_client, function, call.keys, call.args, asking)
 
     _run_script = _call_function
     """The operations' path (tests wrap it to lose replies); the permission check calls
@@ -254,8 +261,6 @@ class SignalBuffer(BufferBase):
         call = prepared.call
         if call is None:
             return prepared.parse(None)
-        if self.owed:
-            self._settle(call.keys[0])
         observer = self.observer
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
@@ -265,6 +270,8 @@ class SignalBuffer(BufferBase):
         previous = deadline.bounded(until)
         try:
             try:
+                if self.owed:  # within this call's deadline: a call's bound holds with finishes owed
+                    self._settle(call.keys[0])
                 reply = self._send(operation, call, until)
             except RETRYABLE as exc:
                 self._server_unchecked = True  # a reconnect may reach another node
@@ -290,7 +297,7 @@ class SignalBuffer(BufferBase):
         for index, finish in enumerate(owed):
             try:
                 self._execute(finish)
-            except BufferUnavailable:
+            except BaseException:  # unsent: owed still, whatever stopped it
                 self.owed.give_back(key, owed[index:])
                 raise
 

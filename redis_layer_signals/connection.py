@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, unquote
 
 from redis.exceptions import ConnectionError, ResponseError
 
+from . import routing
 from .deadline import with_deadline
 from .errors import InvalidConfig
 
@@ -143,6 +144,7 @@ def _client(url: str, retry_s: float, is_async: bool) -> Any:
         )
         if not is_async:
             _bound_cluster_nodes(client)
+            routing.refresh_in_background(client)  # no refresh on a caller's thread
         return client
     if scheme == SENTINEL:
         parsed = parse_multi_host(url)
