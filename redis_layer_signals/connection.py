@@ -149,8 +149,10 @@ def _client(url: str, retry_s: float, is_async: bool) -> Any:
     if scheme == SENTINEL:
         parsed = parse_multi_host(url)
         service, db = _sentinel_target(url, parsed)
+        # The sentinels' own clients must not retry either: redis-py's default (10 retries,
+        # backoff up to 10 s between them) held a call 56 s asking sentinels a split cut off.
         sentinel = import_module(f"{package}.sentinel").Sentinel(
-            parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s)
+            parsed.hosts, sentinel_kwargs={**_timeouts(retry_s), "retry": no_retry}, **_timeouts(retry_s)
         )
         connection_class = _async_primary_connection() if is_async else with_deadline(_sync_primary_connection())
         if not is_async:  # asking the sentinels is bounded by the call's deadline too

@@ -22,15 +22,14 @@ import pytest
 
 from tests.hosted import HostedCluster, slot_of
 from tests.netns import Hosts
-from tests.partition_clients import check_on, collect, figures_of, start_workers
+from tests.partition_clients import call_bound_s, check_on, collect, figures_of, start_workers
 from tests.servers import wait_until
 
 RETRY_S = 2.0
 NODE_TIMEOUT_MS = 1000
-CALL_BOUND_S = RETRY_S + 1.0
-"""Every attempt, either path: the documented ``retry_s`` + 0.25 s (+ ``wait_timeout_ms`` on the
-WAIT path), plus slack for a loaded 2-core machine. A refresh on the caller's thread used to add
-a 2 s connect timeout, and the direct path a socket timeout more."""
+CALL_BOUND_S = call_bound_s(RETRY_S)
+"""Every attempt, either path (a refresh on the caller's thread used to add a 2 s connect
+timeout, and the direct path a socket timeout more)."""
 BYSTANDER_BOUND_S = 1.0
 """A call to a primary that was not cut: it never waits on the cut one (no refresh on its
 thread, no question to the cluster's default node before each call)."""
