@@ -17,6 +17,7 @@ from .deadline import async_timeout, call_deadline
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .owed import OwedFinish
 from .permissions import ServerRefused, from_server, refused
 from .protocol import Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
@@ -63,8 +64,9 @@ class AsyncSignalBuffer(BufferBase):
         prepared = self.protocol.finish(instance, rank, slot, request_id)
         try:
             return await self._execute(prepared)
-        except BufferUnavailable:
-            self.owed.owe(prepared)  # sent again before the next call on the rank (see owed.py)
+        except BufferUnavailable as exc:
+            # Sent again before the next call on the rank; OwedFinishesFull instead when full.
+            self.owed.owe(OwedFinish(prepared, slot, request_id), exc)
             raise
 
     @whole_call
@@ -241,7 +243,7 @@ class AsyncSignalBuffer(BufferBase):
         owed = self.owed.take(key)
         for index, finish in enumerate(owed):
             try:
-                await self._execute(finish)
+                await self._execute(finish.prepared)
             except BaseException:  # unsent (a timeout cancels it too): owed still
                 self.owed.give_back(key, owed[index:])
                 raise

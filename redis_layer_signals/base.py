@@ -109,7 +109,7 @@ class BufferBase:
         (a reconnect may reach another node): the only eviction cost a call pays is this test."""
         self.policies: dict[str, str] = {}
         """Each server's maxmemory-policy as last read (see ``eviction``)."""
-        self.owed = OwedFinishes()
+        self.owed = OwedFinishes(limit=self.config.max_slots)
         """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
         self._allowed: set[str] = set()
         """The first key of each rank whose permissions were checked since the last reconnect

@@ -16,6 +16,7 @@ from .counters import sum_stats
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .owed import OwedFinish
 from .permissions import ServerRefused, from_server, refused
 from .protocol import Applied, Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
@@ -78,12 +79,14 @@ class SignalBuffer(BufferBase):
         """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it.
 
         One that raises ``BufferUnavailable`` is owed: sent again before the next call on the
-        rank (see ``owed``)."""
+        rank (see ``owed``), unless its rank owes ``max_slots`` finishes already: then it
+        raises ``OwedFinishesFull``, and sending it again is the caller's."""
         prepared = self.protocol.finish(instance, rank, slot, request_id, at_ms)
         try:
             return self._execute(prepared)
-        except BufferUnavailable:
-            self.owed.owe(prepared)
+        except BufferUnavailable as exc:
+            # Sent again before the next call on the rank; OwedFinishesFull instead when full.
+            self.owed.owe(OwedFinish(prepared, slot, request_id), exc)
             raise
 
     def apply(self, prepared: Prepared[Applied]) -> Applied:
@@ -296,7 +299,7 @@ class SignalBuffer(BufferBase):
         owed = self.owed.take(key)
         for index, finish in enumerate(owed):
             try:
-                self._execute(finish)
+                self._execute(finish.prepared)
             except BaseException:  # unsent: owed still, whatever stopped it
                 self.owed.give_back(key, owed[index:])
                 raise
