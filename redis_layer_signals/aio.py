@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from functools import partial, wraps
 from typing import Any, TypeVar
 
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError, SlotNotCoveredError
 
 from . import connection, eviction, replication, wire
 from .base import BufferBase
@@ -153,6 +153,8 @@ class AsyncSignalBuffer(BufferBase):
         send: Callable[[], Awaitable[Any]]
         if direct is not None:
             send = partial(direct.run, wire.fcall(function, call.keys, call.args))
+        elif self._cluster:
+            send = partial(self._fcall_on_key_node, function, call)
         else:
             send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
         try:
@@ -167,6 +169,18 @@ class AsyncSignalBuffer(BufferBase):
             if function_missing(exc):
                 raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
             raise
+
+    async def _fcall_on_key_node(self, function: str, call: ScriptCall) -> Any:
+        """FCALL on the node of the call's slot, named to redis.asyncio's Cluster client: its
+        own ``fcall`` first asks a node ``COMMAND GETKEYS`` on every call (see ``routing``).
+        Redirections stay redis-py's; before its first slot table, its own routing."""
+        client = self.client
+        command = ("FCALL", function, len(call.keys), *call.keys, *call.args)
+        try:
+            node = client.get_node_from_key(call.keys[0])
+        except SlotNotCoveredError:
+            return await client.execute_command(*command)
+        return await client.execute_command(*command, target_nodes=node)
 
     _run_script = _call_function
     """The operations' path (tests wrap it to lose replies); the permission check calls

@@ -21,7 +21,9 @@ tag), that node's own client, and
   runs at a time per client; a failure while it runs asks for none more.
 
 Clients made by ``connection`` also hand redis-py's own refreshes (its reads, ``FUNCTION
-LOAD``, the eviction check) to the same refresher (``refresh_in_background``).
+LOAD``, the eviction check) to the same refresher (``refresh_in_background``). The asyncio
+buffer names the slot's node to redis.asyncio's Cluster client (``target_nodes``), which asks
+``COMMAND GETKEYS`` on every ``FCALL`` too; its redirections and refreshes stay redis-py's.
 """
 
 from __future__ import annotations

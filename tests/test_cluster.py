@@ -79,26 +79,51 @@ def test_every_function_call_touches_one_slot(
     buf.close()
 
 
+def fcall_counts(buf: SignalBuffer) -> dict[str, dict[str, int]]:
+    """Each primary's FCALL and COMMAND GETKEYS counts since its last CONFIG RESETSTAT."""
+    counted = {}
+    for node in buf.client.get_primaries():
+        stats = node.redis_connection.info("commandstats")
+        wanted = ("cmdstat_fcall", "cmdstat_command|getkeys")
+        counted[node.name] = {name: stats[name]["calls"] for name in stats if name in wanted}
+    return counted
+
+
+def reset_counts(buf: SignalBuffer) -> None:
+    for node in buf.client.get_primaries():
+        node.redis_connection.config_resetstat()
+
+
+def assert_on_the_owner_alone(buf: SignalBuffer, calls: int) -> None:
+    counts = fcall_counts(buf)
+    owner = buf.client.get_node_from_key(buf.protocol.keys.rank("p0", 0).pending).name
+    assert counts[owner].get("cmdstat_fcall") == calls, counts
+    assert all("cmdstat_command|getkeys" not in found for found in counts.values()), counts
+    assert sum(found.get("cmdstat_fcall", 0) for found in counts.values()) == calls, counts
+
+
 def test_function_calls_go_to_the_key_node_alone(cluster: ClusterTopology, namespace: str) -> None:
-    """redis-py's own FCALL asks the default node COMMAND GETKEYS first: a node that may not
-    serve the call, and one a partition may have cut off. The buffer routes its calls itself."""
+    """redis-py's own FCALL asks a node COMMAND GETKEYS first (sync: the default node, which
+    may not serve the call and which a partition may have cut off). The buffers name the node."""
     buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
     buf.record("p0", 0, 0, [(5, 10)])  # connected, library loaded, permissions checked
-    primaries = buf.client.get_primaries()
-    for node in primaries:
-        node.redis_connection.config_resetstat()
+    reset_counts(buf)
     for layer in range(20):
         buf.record("p0", 0, layer, [(5, 10)])
-    calls = {}
-    for node in primaries:
-        stats = node.redis_connection.info("commandstats")
-        calls[node.name] = {
-            name: stats[name]["calls"] for name in stats if name in ("cmdstat_fcall", "cmdstat_command|getkeys")
-        }
-    owner = buf.client.get_node_from_key(buf.protocol.keys.rank("p0", 0).pending).name
-    assert calls[owner].get("cmdstat_fcall") == 20, calls
-    assert all("cmdstat_command|getkeys" not in found for found in calls.values()), calls
-    assert sum(found.get("cmdstat_fcall", 0) for found in calls.values()) == 20, calls
+    assert_on_the_owner_alone(buf, 20)
+
+    async def run_async() -> None:
+        abuf = AsyncSignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+        try:
+            await abuf.record("p0", 0, 0, [(5, 10)])
+            reset_counts(buf)
+            for layer in range(20):
+                await abuf.record("p0", 0, layer, [(5, 10)])
+        finally:
+            await abuf.close()
+
+    asyncio.run(run_async())
+    assert_on_the_owner_alone(buf, 20)
     buf.close()
 
 
