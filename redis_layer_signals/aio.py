@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from functools import partial, wraps
 from typing import Any, TypeVar
 
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError, SlotNotCoveredError
 
 from . import connection, eviction, replication, wire
 from .base import BufferBase
@@ -17,6 +17,7 @@ from .deadline import async_timeout, call_deadline
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .owed import OwedFinish
 from .permissions import ServerRefused, from_server, refused
 from .protocol import Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
@@ -63,8 +64,9 @@ class AsyncSignalBuffer(BufferBase):
         prepared = self.protocol.finish(instance, rank, slot, request_id)
         try:
             return await self._execute(prepared)
-        except BufferUnavailable:
-            self.owed.owe(prepared)  # sent again before the next call on the rank (see owed.py)
+        except BufferUnavailable as exc:
+            # Sent again before the next call on the rank; OwedFinishesFull instead when full.
+            self.owed.owe(OwedFinish(prepared, slot, request_id), exc)
             raise
 
     @whole_call
@@ -151,6 +153,8 @@ class AsyncSignalBuffer(BufferBase):
         send: Callable[[], Awaitable[Any]]
         if direct is not None:
             send = partial(direct.run, wire.fcall(function, call.keys, call.args))
+        elif self._cluster:
+            send = partial(self._fcall_on_key_node, function, call)
         else:
             send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
         try:
@@ -165,6 +169,18 @@ class AsyncSignalBuffer(BufferBase):
             if function_missing(exc):
                 raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
             raise
+
+    async def _fcall_on_key_node(self, function: str, call: ScriptCall) -> Any:
+        """FCALL on the node of the call's slot, named to redis.asyncio's Cluster client: its
+        own ``fcall`` first asks a node ``COMMAND GETKEYS`` on every call (see ``routing``).
+        Redirections stay redis-py's; before its first slot table, its own routing."""
+        client = self.client
+        command = ("FCALL", function, len(call.keys), *call.keys, *call.args)
+        try:
+            node = client.get_node_from_key(call.keys[0])
+        except SlotNotCoveredError:
+            return await client.execute_command(*command)
+        return await client.execute_command(*command, target_nodes=node)
 
     _run_script = _call_function
     """The operations' path (tests wrap it to lose replies); the permission check calls
@@ -204,12 +220,16 @@ class AsyncSignalBuffer(BufferBase):
         call = prepared.call
         if call is None:
             return prepared.parse(None)
-        if self.owed:
-            await self._settle(call.keys[0])
         observer = self.observer
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
+        if self.owed:  # within this call's time: a call's bound holds with finishes owed
+            try:
+                async with async_timeout(self.config.retry_s):
+                    await self._settle(call.keys[0])
+            except asyncio.TimeoutError as exc:
+                raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
         # The call's deadline: a plain client reads each reply within it; the others get one
         # timeout over the whole call, resends included (see deadline.py).
         token = call_deadline.set(started + self.config.retry_s)
@@ -217,7 +237,7 @@ class AsyncSignalBuffer(BufferBase):
             if self._direct is not None:
                 reply = await self._attempts(operation, call, started)
             else:
-                async with async_timeout(self.config.retry_s):
+                async with async_timeout(started + self.config.retry_s - time.monotonic()):
                     reply = await self._attempts(operation, call, started)
         except OutOfMemoryError as exc:
             raise ServerOutOfMemory(operation, exc) from exc
@@ -237,8 +257,8 @@ class AsyncSignalBuffer(BufferBase):
         owed = self.owed.take(key)
         for index, finish in enumerate(owed):
             try:
-                await self._execute(finish)
-            except BufferUnavailable:
+                await self._execute(finish.prepared)
+            except BaseException:  # unsent (a timeout cancels it too): owed still
                 self.owed.give_back(key, owed[index:])
                 raise
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from . import routing
 from .config import BufferConfig
 from .owed import OwedFinishes
 from .protocol import Clock, Protocol
@@ -101,12 +102,14 @@ class BufferBase:
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
         self._direct = self.direct_calls(client)
+        self._cluster = routing.is_cluster(client)
+        """A Cluster client: the sync buffer routes its function calls itself (see ``routing``)."""
         self._server_unchecked = True
         """Set until the server's maxmemory-policy is read, and again after a retryable error
         (a reconnect may reach another node): the only eviction cost a call pays is this test."""
         self.policies: dict[str, str] = {}
         """Each server's maxmemory-policy as last read (see ``eviction``)."""
-        self.owed = OwedFinishes()
+        self.owed = OwedFinishes(limit=self.config.max_slots)
         """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
         self._allowed: set[str] = set()
         """The first key of each rank whose permissions were checked since the last reconnect

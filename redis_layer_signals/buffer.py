@@ -10,12 +10,13 @@ from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
 
-from . import connection, deadline, eviction, replication, wire
+from . import connection, deadline, eviction, replication, routing, wire
 from .base import BufferBase
 from .counters import sum_stats
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from .owed import OwedFinish
 from .permissions import ServerRefused, from_server, refused
 from .protocol import Applied, Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
@@ -78,12 +79,14 @@ class SignalBuffer(BufferBase):
         """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it.
 
         One that raises ``BufferUnavailable`` is owed: sent again before the next call on the
-        rank (see ``owed``)."""
+        rank (see ``owed``), unless its rank owes ``max_slots`` finishes already: then it
+        raises ``OwedFinishesFull``, and sending it again is the caller's."""
         prepared = self.protocol.finish(instance, rank, slot, request_id, at_ms)
         try:
             return self._execute(prepared)
-        except BufferUnavailable:
-            self.owed.owe(prepared)
+        except BufferUnavailable as exc:
+            # Sent again before the next call on the rank; OwedFinishesFull instead when full.
+            self.owed.owe(OwedFinish(prepared, slot, request_id), exc)
             raise
 
     def apply(self, prepared: Prepared[Applied]) -> Applied:
@@ -195,6 +198,9 @@ class SignalBuffer(BufferBase):
         send: Callable[[], Any]
         if direct is not None:
             send = partial(direct.run, wire.fcall(function, call.keys, call.args))
+        elif self._cluster:  # routed by the buffer: never a refresh on this thread (see routing)
+            key = call.keys[0]
+            send = partial(routing.on_key_node, self.client, key, call.script, partial(self._fcall_on, function, call))
         else:
             send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
         try:
@@ -209,6 +215,10 @@ class SignalBuffer(BufferBase):
             if function_missing(exc):
                 raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
             raise
+
+    @staticmethod
+    def _fcall_on(function: str, call: ScriptCall, node_client: Any, asking: bool) -> Any:
+        return routing.fcall(node_client, function, call.keys, call.args, asking)
 
     _run_script = _call_function
     """The operations' path (tests wrap it to lose replies); the permission check calls
@@ -254,8 +264,6 @@ class SignalBuffer(BufferBase):
         call = prepared.call
         if call is None:
             return prepared.parse(None)
-        if self.owed:
-            self._settle(call.keys[0])
         observer = self.observer
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
@@ -265,6 +273,8 @@ class SignalBuffer(BufferBase):
         previous = deadline.bounded(until)
         try:
             try:
+                if self.owed:  # within this call's deadline: a call's bound holds with finishes owed
+                    self._settle(call.keys[0])
                 reply = self._send(operation, call, until)
             except RETRYABLE as exc:
                 self._server_unchecked = True  # a reconnect may reach another node
@@ -289,8 +299,8 @@ class SignalBuffer(BufferBase):
         owed = self.owed.take(key)
         for index, finish in enumerate(owed):
             try:
-                self._execute(finish)
-            except BufferUnavailable:
+                self._execute(finish.prepared)
+            except BaseException:  # unsent: owed still, whatever stopped it
                 self.owed.give_back(key, owed[index:])
                 raise
 

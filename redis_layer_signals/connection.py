@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, unquote
 
 from redis.exceptions import ConnectionError, ResponseError
 
+from . import routing
 from .deadline import with_deadline
 from .errors import InvalidConfig
 
@@ -143,12 +144,15 @@ def _client(url: str, retry_s: float, is_async: bool) -> Any:
         )
         if not is_async:
             _bound_cluster_nodes(client)
+            routing.refresh_in_background(client)  # no refresh on a caller's thread
         return client
     if scheme == SENTINEL:
         parsed = parse_multi_host(url)
         service, db = _sentinel_target(url, parsed)
+        # The sentinels' own clients must not retry either: redis-py's default (10 retries,
+        # backoff up to 10 s between them) held a call 56 s asking sentinels a split cut off.
         sentinel = import_module(f"{package}.sentinel").Sentinel(
-            parsed.hosts, sentinel_kwargs=dict(_timeouts(retry_s)), **_timeouts(retry_s)
+            parsed.hosts, sentinel_kwargs={**_timeouts(retry_s), "retry": no_retry}, **_timeouts(retry_s)
         )
         connection_class = _async_primary_connection() if is_async else with_deadline(_sync_primary_connection())
         if not is_async:  # asking the sentinels is bounded by the call's deadline too

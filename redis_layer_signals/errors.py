@@ -67,6 +67,23 @@ class BufferUnavailable(SignalBufferError):
         super().__init__(f"{operation}: Redis unavailable after retrying for {retry_s:g}s: {cause}")
 
 
+class OwedFinishesFull(BufferUnavailable):
+    """A ``finish`` raised ``BufferUnavailable`` and, unlike the others, was not kept to be
+    sent again: its rank already owes ``limit`` finishes (see ``owed``). Send that finish
+    again yourself once Redis answers."""
+
+    def __init__(self, error: BufferUnavailable, rank: str, slot: int, request_id: str, limit: int) -> None:
+        super().__init__(error.operation, error.retry_s, error.__cause__ or error)
+        self.rank = rank
+        self.slot = slot
+        self.request_id = request_id
+        self.limit = limit
+        self.args = (
+            f"{self.args[0]}; not kept to be resent: {rank} already owes {limit} finishes "
+            f"(slot {slot}, request {request_id!r}), send it again once Redis answers",
+        )
+
+
 class EvictingServer(SignalBufferError):
     """The server may evict keys (its ``maxmemory-policy`` is not ``noeviction``) and the
     buffer was told to refuse such a server (``eviction="refuse"``): nothing was sent."""

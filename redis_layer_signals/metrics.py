@@ -205,9 +205,21 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
             "Buffered signals neither ended nor pending (0 when healthy; else lost, e.g. evicted)",
             labels=list(RANK_LABELS),
         )
+        owed = GaugeMetricFamily(
+            f"{METRIC_PREFIX}_owed_finishes",
+            "Finishes that raised BufferUnavailable, to be sent again before the next call on their rank",
+            labels=["namespace"],
+        )
+        refused = CounterMetricFamily(
+            f"{METRIC_PREFIX}_owed_finishes_refused",
+            "Finishes not kept to be sent again: their rank owed max_slots already (OwedFinishesFull)",
+            labels=["namespace"],
+        )
         servers: dict[str, tuple[str, float | None]] = {}
         for buffer in buffers:
             namespace = buffer.config.namespace
+            owed.add_metric([namespace], buffer.owed.count())  # this process's, read without Redis
+            refused.add_metric([namespace], buffer.owed.refused)
             started = time.perf_counter()
             try:
                 # No sweep: a scrape only reads. Expiries are counted by the next call on the rank.
@@ -233,6 +245,8 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
                         families[sample.family] = family
                     family.add_metric([namespace, instance, str(rank), *(v for _, v in sample.extra)], sample.value)
         yield up
+        yield owed
+        yield refused
         yield from families.values()
         yield mismatch
         yield from server_families(servers)

@@ -8,14 +8,11 @@ than asked raise ``NotReplicated``, which the buffer's retry loop treats like a 
 reply: it resends the same call (the function replays its stored reply, a write that WAIT then
 covers) until the replicas confirm or ``retry_s`` runs out (``BufferUnavailable``).
 
-On Redis Cluster the pipeline goes to the node that owns the call's hash slot. A ``MOVED``
-patches the slot table from the redirection itself (no round trip) and retries; an ``ASK`` is
-followed once with ``ASKING``. A node that does not answer (timeout, reset, a partition) makes
-the slot table be refreshed on a thread of its own, asking the other nodes first: the call that
-failed raises at once into the retry loop, which resends, and no caller pays for the refresh
-(a refresh that asked the unreachable node first used to add its connect timeout to the call)
-nor waits behind another's. One refresh runs at a time per client; a failure while it runs asks
-for none more.
+On Redis Cluster the pipeline goes to the node that owns the call's hash slot, on the path
+every function call of the buffer takes there (``routing.on_key_node``): a ``MOVED`` patches the
+slot table and retries, an ``ASK`` is followed once with ``ASKING``, and a node that does not
+answer makes the table be refreshed on a thread of its own while the call raises into the retry
+loop, so no caller pays for a refresh nor waits behind another's.
 
 Each attempt reads its replies for at most the time its call has left (``deadline``) plus the
 WAIT timeout and ``READ_SLACK_S``, so an attempt that starts just before the deadline does
@@ -25,13 +22,10 @@ plus ``wait_timeout_ms`` plus 0.25 s.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from typing import Any
 
-from redis.exceptions import AskError, ConnectionError, MovedError, ResponseError, TimeoutError
-
+from . import routing
 from .errors import InvalidConfig, SignalBufferError
 from .protocol import ScriptCall
 from .scripts import FUNCTIONS, LibraryMissing, async_ensure_library, ensure_library, function_missing
@@ -52,14 +46,6 @@ class NotReplicated(SignalBufferError):
         super().__init__(f"{operation}: {acked} of {wanted} replicas confirmed the write within {timeout_ms} ms")
 
 
-class SlotMoved(SignalBufferError):
-    """The hash slot moved while a waited call ran on Redis Cluster (retryable)."""
-
-
-def _is_cluster(client: Any) -> bool:
-    return hasattr(client, "get_node_from_key") and hasattr(client, "nodes_manager")
-
-
 def _check(operation: str, results: list[Any], wanted: int, timeout_ms: int) -> Any:
     reply, acked = results[-2], results[-1]
     for item in (reply, acked):
@@ -74,69 +60,19 @@ READ_SLACK_S = 0.25
 """What an attempt may read past its call's deadline and WAIT's timeout: the replies' way back
 on a loaded machine, so the last attempt still hears WAIT's count (``NotReplicated``)."""
 
-_refreshing: set[int] = set()
-"""The slot tables (``id`` of a client's nodes manager) a background refresh is working on."""
-_refreshing_lock = threading.Lock()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_refreshing.clear)  # the refresh threads stay with the parent
-
-
-def refresh_slots(client: Any, failed: str | None) -> threading.Thread | None:
-    """Refresh ``client``'s slot table on a thread of its own, asking the node named ``failed``
-    (``host:port``) last; None when a refresh is already running for this client."""
-    manager = client.nodes_manager
-    key = id(manager)
-    with _refreshing_lock:
-        if key in _refreshing:
-            return None
-        _refreshing.add(key)
-
-    def refresh() -> None:
-        try:
-            try:  # redis-py 6+: the failed node last, and the other nodes' connections left alone
-                manager.initialize(last_failed_node_name=failed, disconnect_startup_nodes_pools=False)
-            except TypeError:
-                manager.initialize()
-        except Exception:  # the next call that fails asks again
-            pass
-        finally:
-            with _refreshing_lock:
-                _refreshing.discard(key)
-
-    thread = threading.Thread(target=refresh, name="rls-slot-refresh", daemon=True)
-    thread.start()
-    return thread
-
 
 def _pipelined(
     client: Any, call: ScriptCall, wanted: int, timeout_ms: int, asking: bool, deadline: float | None
 ) -> list[Any]:
     """FCALL then WAIT (after ASKING when asked) in one write on one of ``client``'s pooled
-    connections; error replies come back in the list, as ``raise_on_error=False`` gives them."""
+    connections, read for at most the call's time left plus the WAIT timeout and ``READ_SLACK_S``."""
     commands: list[tuple[Any, ...]] = [("ASKING",)] if asking else []
     commands.append(("FCALL", FUNCTIONS[call.script], len(call.keys), *call.keys, *call.args))
     commands.append(("WAIT", wanted, timeout_ms))
-    pool = client.connection_pool
-    connection = pool.get_connection()
-    results: list[Any] = []
+    read_until = None
     if deadline is not None:
         read_until = max(deadline, time.monotonic()) + timeout_ms / 1000 + READ_SLACK_S
-    try:
-        connection.send_packed_command(connection.pack_commands(commands), check_health=False)
-        for _ in commands:
-            try:
-                if deadline is None:
-                    results.append(connection.read_response())
-                else:
-                    results.append(connection.read_response(timeout=max(0.001, read_until - time.monotonic())))
-            except ResponseError as exc:  # a whole error reply was read: the connection is clean
-                results.append(exc)
-    except BaseException:
-        connection.disconnect()  # a reply may still be on its way: never reuse this socket
-        raise
-    finally:
-        pool.release(connection)
-    return results
+    return routing.send_commands(client, commands, read_until)
 
 
 def run_and_wait(
@@ -144,23 +80,13 @@ def run_and_wait(
 ) -> Any:
     """One function call followed by ``WAIT`` on the same connection, reading for at most
     until ``deadline`` (a ``time.monotonic()`` reading); see the module docstring."""
-    if not _is_cluster(client):
+    if not routing.is_cluster(client):
         return _run_on(client, call, operation, wanted, timeout_ms, False, deadline)
-    node = client.get_node_from_key(call.keys[0])
-    try:
-        return _run_on(client.get_redis_connection(node), call, operation, wanted, timeout_ms, False, deadline)
-    except MovedError as exc:  # before AskError, its base class
-        client.nodes_manager.move_slot(exc)
-        raise SlotMoved(f"{operation}: slot moved to {exc.host}:{exc.port}") from exc
-    except AskError as exc:
-        target = client.get_node(host=exc.host, port=exc.port)
-        if target is None:
-            refresh_slots(client, None)
-            raise SlotMoved(f"{operation}: slot migrating to unknown node {exc.host}:{exc.port}") from exc
-        return _run_on(client.get_redis_connection(target), call, operation, wanted, timeout_ms, True, deadline)
-    except (ConnectionError, TimeoutError, OSError):
-        refresh_slots(client, node.name)
-        raise
+
+    def on_node(node_client: Any, asking: bool) -> Any:
+        return _run_on(node_client, call, operation, wanted, timeout_ms, asking, deadline)
+
+    return routing.on_key_node(client, call.keys[0], operation, on_node)
 
 
 def _run_on(
@@ -183,7 +109,7 @@ def _missing_again(operation: str, results: list[Any]) -> None:
 
 async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
     """``run_and_wait`` for redis.asyncio (single server or Sentinel)."""
-    if _is_cluster(client):  # raised before anything is sent
+    if routing.is_cluster(client):  # raised before anything is sent
         raise InvalidConfig("wait_replicas", wanted, "is not supported on an asyncio Redis Cluster client yet")
     results = await _async_pipelined(client, call, wanted, timeout_ms)
     if function_missing(results[-2]):

@@ -10,7 +10,8 @@ from redis import exceptions as rx
 
 from . import deadline
 from .errors import BufferUnavailable
-from .replication import NotReplicated, SlotMoved
+from .replication import NotReplicated
+from .routing import SlotMoved
 from .scripts import LibraryMissing
 
 RETRYABLE: tuple[type[BaseException], ...] = (

@@ -7,14 +7,16 @@ The behaviour suite itself runs here too: ``cluster`` is a backend of the ``buf`
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from redis.cluster import key_slot
 
-from redis_layer_signals import AsyncSignalBuffer, CacheTask, InvalidConfig, SignalBuffer
+from redis_layer_signals import AsyncSignalBuffer, CacheTask, InvalidConfig, SignalBuffer, routing
 from redis_layer_signals.keys import KeySpace
 from tests.churn import churn_during
 from tests.servers import RedisServer, wait_until
@@ -55,16 +57,18 @@ def test_keys_of_instances_and_ranks_spread_over_all_three_primaries(cluster: Cl
     buf.close()
 
 
-def test_every_function_call_touches_one_slot(cluster: ClusterTopology, namespace: str) -> None:
+def test_every_function_call_touches_one_slot(
+    cluster: ClusterTopology, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
     seen: list[set[int]] = []
-    real = buf.client.fcall
+    real = routing.fcall
 
-    def spy(function: str, numkeys: int, *keys_and_args: str) -> object:
-        seen.append({key_slot(k.encode()) for k in keys_and_args[:numkeys]})
-        return real(function, numkeys, *keys_and_args)
+    def spy(node_client: Any, function: str, keys: Any, args: Any, asking: bool) -> object:
+        seen.append({key_slot(k.encode()) for k in keys})
+        return real(node_client, function, keys, args, asking)
 
-    buf.client.fcall = spy
+    monkeypatch.setattr(routing, "fcall", spy)
     for rank in range(3):
         buf.record("p0", rank, 0, [(5, 10), (6, 20)])
         buf.register(CacheTask("p0", rank, 5, "r", 100, 4))
@@ -72,6 +76,82 @@ def test_every_function_call_touches_one_slot(cluster: ClusterTopology, namespac
     buf.stats()  # sweeps every rank
     assert len(seen) >= 10 and all(len(slots) == 1 for slots in seen)
     assert len(set().union(*seen)) == 3  # three ranks, three tags, three slots
+    buf.close()
+
+
+def fcall_counts(buf: SignalBuffer) -> dict[str, dict[str, int]]:
+    """Each primary's FCALL and COMMAND GETKEYS counts since its last CONFIG RESETSTAT."""
+    counted = {}
+    for node in buf.client.get_primaries():
+        stats = node.redis_connection.info("commandstats")
+        wanted = ("cmdstat_fcall", "cmdstat_command|getkeys")
+        counted[node.name] = {name: stats[name]["calls"] for name in stats if name in wanted}
+    return counted
+
+
+def reset_counts(buf: SignalBuffer) -> None:
+    for node in buf.client.get_primaries():
+        node.redis_connection.config_resetstat()
+
+
+def assert_on_the_owner_alone(buf: SignalBuffer, calls: int) -> None:
+    counts = fcall_counts(buf)
+    owner = buf.client.get_node_from_key(buf.protocol.keys.rank("p0", 0).pending).name
+    assert counts[owner].get("cmdstat_fcall") == calls, counts
+    assert all("cmdstat_command|getkeys" not in found for found in counts.values()), counts
+    assert sum(found.get("cmdstat_fcall", 0) for found in counts.values()) == calls, counts
+
+
+def test_function_calls_go_to_the_key_node_alone(cluster: ClusterTopology, namespace: str) -> None:
+    """redis-py's own FCALL asks a node COMMAND GETKEYS first (sync: the default node, which
+    may not serve the call and which a partition may have cut off). The buffers name the node."""
+    buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+    buf.record("p0", 0, 0, [(5, 10)])  # connected, library loaded, permissions checked
+    reset_counts(buf)
+    for layer in range(20):
+        buf.record("p0", 0, layer, [(5, 10)])
+    assert_on_the_owner_alone(buf, 20)
+
+    async def run_async() -> None:
+        abuf = AsyncSignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+        try:
+            await abuf.record("p0", 0, 0, [(5, 10)])
+            reset_counts(buf)
+            for layer in range(20):
+                await abuf.record("p0", 0, layer, [(5, 10)])
+        finally:
+            await abuf.close()
+
+    asyncio.run(run_async())
+    assert_on_the_owner_alone(buf, 20)
+    buf.close()
+
+
+def test_a_refresh_redis_py_asks_for_runs_on_the_refresher_thread(cluster: ClusterTopology, namespace: str) -> None:
+    """redis-py refreshes its slot table on the calling thread after a timeout; a client made
+    by ``from_url`` hands that to its one refresher: the caller goes on at once, and a second
+    request while a refresh runs starts none."""
+    buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={})
+    refresher = routing.refresher_of(buf.client)
+    entered, release = threading.Event(), threading.Event()
+    asked: list[tuple[str | None, str]] = []
+    real = refresher._initialize
+
+    def slow_refresh(**kwargs: Any) -> None:
+        asked.append((kwargs.get("last_failed_node_name"), threading.current_thread().name))
+        entered.set()
+        release.wait(10)
+        real(**kwargs)
+
+    refresher._initialize = slow_refresh  # type: ignore[method-assign]
+    failed = buf.client.get_primaries()[0].name
+    buf.client.nodes_manager.initialize(last_failed_node_name=failed)  # returns: the refresh is elsewhere
+    assert entered.wait(10)
+    assert routing.refresh_slots(buf.client, None) is None  # one refresh at a time
+    buf.record("p0", 0, 0, [(5, 10)])  # calls go on meanwhile
+    release.set()
+    assert asked == [(failed, "rls-slot-refresh")]
+    wait_until(lambda: refresher.request(None) is not None, timeout=10, what="the refresh ended")
     buf.close()
 
 

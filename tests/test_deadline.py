@@ -7,6 +7,7 @@ the async buffers. Before the bound, a trickle kept ``record`` 7.5 s with ``retr
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -152,4 +153,23 @@ def test_the_sentinel_client_is_bounded_when_the_primary_stops_answering(
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
+        buf.close()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connecting to it is refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_the_sentinel_client_is_bounded_when_no_sentinel_answers(namespace: str) -> None:
+    """The sentinels' own clients retried a refused connection 10 times, with up to 10 s of
+    backoff between tries: a call asking sentinels a split had cut off took 56 s."""
+    seeds = ",".join(f"127.0.0.1:{closed_port()}" for _ in range(2))
+    buf = SignalBuffer.from_url(f"redis+sentinel://{seeds}/mymaster", namespace=namespace, env={}, retry_s=RETRY_S)
+    try:
+        elapsed, error = timed(lambda: buf.record("p0", 0, 0, [(5, 100)]))
+        assert error is not None and elapsed < BOUND_S, elapsed
+    finally:
         buf.close()

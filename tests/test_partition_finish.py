@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, SignalBuffer
+from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, OwedFinishesFull, SignalBuffer
 from tests.netns import HostedRedis, Hosts
 
 RETRY_S = 1.0
@@ -28,8 +28,8 @@ def server(hosts: Hosts) -> Iterator[HostedRedis]:
     started.cleanup()
 
 
-def task(request_id: str) -> CacheTask:
-    return CacheTask("p0", 0, 5, request_id, need_prefill_tokens=4096, num_layers=4)
+def task(request_id: str, slot: int = 5) -> CacheTask:
+    return CacheTask("p0", 0, slot, request_id, need_prefill_tokens=4096, num_layers=4)
 
 
 @pytest.mark.timeout(60)
@@ -57,6 +57,39 @@ def test_finish_lost_to_a_partition_no_longer_lets_the_next_request_reach_the_fi
             recovered = buf.register(task("req-b"))  # not SlotOccupied: req-a is gone
             assert [s.tokens for s in recovered.recovered] == [300]
             assert buf.stats()["finished"] == 1
+        finally:
+            buf.close()
+
+    hosts.run("h2", scenario)
+
+
+@pytest.mark.timeout(60)
+def test_finishes_owed_past_max_slots_are_refused_loudly_and_the_owed_ones_all_arrive(
+    hosts: Hosts, server: HostedRedis, namespace: str
+) -> None:
+    slots = 2
+
+    def scenario() -> None:
+        buf = SignalBuffer.from_url(server.url, namespace=namespace, env={}, retry_s=RETRY_S, max_slots=slots)
+        try:
+            for slot in range(slots):
+                buf.register(task(f"req-{slot}", slot))
+            hosts.isolate("h1")
+            for slot in range(slots):
+                with pytest.raises(BufferUnavailable):
+                    buf.finish("p0", 0, slot, f"req-{slot}")
+            with pytest.raises(BufferUnavailable) as again:
+                buf.finish("p0", 0, 0, "req-0")  # the caller resends: still owed once
+            assert not isinstance(again.value, OwedFinishesFull) and buf.owed.count() == slots
+            with pytest.raises(OwedFinishesFull):  # one more: not kept, and said so
+                buf.finish("p0", 0, 1, "req-late")
+            assert buf.owed.count() == slots and buf.owed.refused == 1
+            hosts.heal()
+
+            buf.record("p0", 0, 0, [(0, 300)])  # the owed finishes go first
+            assert buf.owed.count() == 0
+            assert all(buf.task("p0", 0, slot) is None for slot in range(slots))
+            assert buf.stats()["finished"] == slots
         finally:
             buf.close()
 

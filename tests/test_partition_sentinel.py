@@ -22,7 +22,7 @@ import pytest
 
 from tests.hosted import HostedSentinelGroup
 from tests.netns import Hosts
-from tests.partition_clients import check_on, collect, figures_of, start_workers
+from tests.partition_clients import call_bound_s, check_on, collect, figures_of, start_workers
 from tests.servers import wait_until
 
 RETRY_S = 2.0
@@ -31,6 +31,8 @@ OLD_SIDE = ["h1", "h4"]
 NEW_SIDE = ["h2", "h3", "h5"]
 CLIENT_HOSTS = ["h4", "h5"]
 MIN_REPLICAS = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "2")
+CALL_BOUND_S = call_bound_s(RETRY_S)
+"""Every attempt on either side, the old side's asking the unreachable sentinels included."""
 OLD_SIDE_WRITES_S = 3.0
 """How long the old primary's side keeps calling after the new primary is elected."""
 
@@ -85,9 +87,11 @@ def test_sentinel_split_old_primary_without_majority(
         accounting = check_on(hosts, "h5", group.url, namespace, result["logs"][namespace], exact=safe)
     finally:
         group.cleanup()
-    figures = {"phases": run["phases"], "new_primary": new, "calls": figures_of(result, namespace), **accounting}
+    old_side, new_side = figures_of(result, namespace, 0), figures_of(result, namespace, 1)  # h4, h5
+    figures = {"phases": run["phases"], "new_primary": new, "old_side": old_side, "new_side": new_side, **accounting}
     record_property("figures", figures)
     print(f"\nfigures sentinel safe={safe}: {json.dumps(figures)}")
+    assert old_side["max_attempt_s"] <= CALL_BOUND_S and new_side["max_attempt_s"] <= CALL_BOUND_S, figures
     if safe:
         assert accounting["twice"] == 0, figures
         assert accounting["signals_lost"] == accounting["registrations_lost"] == 0, figures

@@ -38,6 +38,7 @@ from typing import Any
 from ..bench.server import LocalRedis
 from ..connection import CLUSTER, MEMORY, SENTINEL, parse_multi_host, scheme_of, sync_client
 from ..errors import InvalidConfig
+from ..routing import refresher_of
 from .config import SimConfig
 from .hosts import Hosts
 from .report import Summary
@@ -129,7 +130,7 @@ def _fault_for(url: str, own: LocalRedis | None, hosts: Hosts | None) -> Callabl
         rng = random.Random(0)
 
         def cluster_failover(_n: int) -> str:
-            client.nodes_manager.initialize()
+            refresher_of(client).now()  # the replicas as they are now
             replicas = client.get_replicas()
             if not replicas:
                 raise InvalidConfig("chaos", url, "CLUSTER FAILOVER needs a cluster with replicas")
