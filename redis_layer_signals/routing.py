@@ -82,11 +82,14 @@ class SlotRefresher:
 
     def _refresh(self, failed: str | None, extra: list[tuple[str, int]]) -> None:
         try:
-            self._initialize(
-                additional_startup_nodes_info=extra or None,
-                last_failed_node_name=failed,
-                disconnect_startup_nodes_pools=False,  # the other nodes' connections left alone
-            )
+            try:  # redis-py 6+: the failed node last, and the other nodes' connections left alone
+                self._initialize(
+                    additional_startup_nodes_info=extra or None,
+                    last_failed_node_name=failed,
+                    disconnect_startup_nodes_pools=False,
+                )
+            except TypeError:  # redis-py 5 knows neither keyword
+                self._initialize()
         except Exception:  # the next call that fails asks again
             pass
         finally:
