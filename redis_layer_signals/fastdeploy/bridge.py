@@ -599,7 +599,9 @@ class Layer0Bridge:
                     break
                 except Exception as exc:
                     with self._lock:
-                        self._degrade("writer", exc)
+                        started = self._degrade("writer", exc, log=False)
+                    if started:  # a traceback formatted while the hooks wait for the lock: not here
+                        self._log_degraded("writer", exc)
                     every_slot = True  # Redis may have lost what it held: send every slot next
                     if self._closed.wait(self.probe_s):
                         return
@@ -775,15 +777,25 @@ class Layer0Bridge:
 
     # -- episodes --------------------------------------------------------------------------
 
-    def _degrade(self, operation: str, exc: BaseException) -> None:
-        """Under the lock: count the error; start an episode (logged once, with its cause)."""
+    def _degrade(self, operation: str, exc: BaseException, log: bool = True) -> bool:
+        """Under the lock: count the error; start an episode (logged once, with its cause,
+        unless ``log`` is False: the caller then logs it with ``_log_degraded`` once it released
+        the lock, which the hooks wait for). True when the episode started here."""
         self._errors[operation] += 1
         if self._degraded_since is not None:
-            return
+            return False
         self._degraded_since = time.monotonic()
         self.local.counting = True
         self._episodes += 1
         self._episode_calls = self._episode_reconciled = 0
+        if log:
+            self._log_degraded(operation, exc)
+        if self.owned is None and (self._reconciler is None or not self._reconciler.is_alive()):
+            self._reconciler = threading.Thread(target=self._reconcile_loop, name="rls-reconcile", daemon=True)
+            self._reconciler.start()
+        return True
+
+    def _log_degraded(self, operation: str, exc: BaseException) -> None:
         logger.warning(
             "%s/%d: Redis failed in %s (%s: %s); serving this process locally until it answers",
             self.instance,
@@ -793,9 +805,6 @@ class Layer0Bridge:
             exc,
             exc_info=exc,
         )
-        if self.owned is None and (self._reconciler is None or not self._reconciler.is_alive()):
-            self._reconciler = threading.Thread(target=self._reconcile_loop, name="rls-reconcile", daemon=True)
-            self._reconciler.start()
 
     def _reconcile_loop(self) -> None:
         while not self._closed.wait(self.probe_s):
