@@ -757,7 +757,8 @@ class Layer0Bridge:
     def _queue(self, entries: Iterable[tuple[int, int]]) -> Batch:
         """Put one batch on the sender's queue: entries of a slot whose registration is on its
         way wait behind it; an entry no further along than what the sender already has for
-        its request is dropped (its blocks are covered)."""
+        its request is dropped (its blocks are covered). Where the process owns its rank there
+        are no gates, and ``OwnedRank.record`` leaves out the same entries in its own loop."""
         batch: Batch = []
         for slot, tokens in entries:
             gate = self._gates.get(slot)
