@@ -622,6 +622,14 @@ def bench_command(
             "outage) and Redis's CPU per request; writes hooks.md and hooks.json.",
         ),
     ] = False,
+    gc_freeze: Annotated[
+        bool,
+        typer.Option(
+            "--gc-freeze/--no-gc-freeze",
+            help="With --hooks: gc.freeze() after the imports and a warm-up case, as a server process "
+            "that freezes its startup heap (without it, a full collection traverses every import's objects).",
+        ),
+    ] = True,
 ) -> None:
     """Measure record, register and finish against a local dict, naive WATCH/MULTI and a no-op
     EVALSHA floor on one server; write markdown, JSON and a plot."""
@@ -630,7 +638,8 @@ def bench_command(
     if hooks:
         from .bench import hooks as hook_bench
 
-        raise typer.Exit(hook_bench.main(["--out", str(out)]))
+        hook_argv = ([] if out is None else ["--out", str(out)]) + ([] if gc_freeze else ["--no-gc-freeze"])
+        raise typer.Exit(hook_bench.main(hook_argv))
 
     argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]
     argv += ["--layers", layers, "--layer-sizes", layer_sizes]

@@ -77,6 +77,23 @@ def _signal(state: dict[str, Any]) -> LayerSignal:
     return signal
 
 
+_FAST_TASKS = _fills_dict(
+    CacheTask,
+    ("instance", "rank", "slot", "request_id", "need_prefill_tokens", "num_layers", "decode_cached_tokens", "meta"),
+)
+
+
+def cache_task(state: dict[str, Any]) -> CacheTask:
+    """A CacheTask from all its fields, in declaration order: ``__dict__`` set directly (a
+    fifth of ``__init__``'s time, which sets its eight fields through ``object.__setattr__``)
+    when ``_FAST_TASKS``. One is built per registration on FastDeploy's task adder."""
+    if not _FAST_TASKS:
+        return CacheTask(**state)
+    task: CacheTask = _new(CacheTask)
+    _setattr(task, "__dict__", state)
+    return task
+
+
 def _prototype(instance: str, rank: int, slot: int, layer: int, at: int) -> dict[str, Any]:
     """A signal's fields, in declaration order, for a batch's signals to copy and complete:
     ``dict.copy`` of a same-sized dict and two stores cost half of a 7-entry dict display."""

@@ -302,4 +302,9 @@ def test_hook_bench_runs_the_three_conditions_and_the_writer_batches_redis_calls
         for hook in hooks.HOOKS:
             assert cases[0]["hooks"][hook]["dict"]["calls"] == cases[0]["hooks"][hook]["bridge"]["calls"] > 0
     assert result["redis_cost"]["calls_per_request"] < 1
-    assert "| outage | 1 | `on_kv_signal` |" in hooks.markdown(result)
+    assert result["gc"]["frozen"] > 0  # the imports' objects, out of every full collection
+    for case in (case for cases in result["conditions"].values() for case in cases):
+        assert case["dict_largest_us"] > 0 and case["largest_us"] > 0 and case["full_collections"] >= 0
+    report = hooks.markdown(result)
+    assert "| outage | 1 | `on_kv_signal` |" in report
+    assert "`gc.freeze()` after the imports" in report and "the dict's healthy" in report

@@ -232,6 +232,8 @@ def test_hooks_serve_locally_when_redis_is_gone(caplog: pytest.LogCaptureFixture
             finished = bridge.on_task_finished(6, "req-1")
             assert time.monotonic() - started < 0.3, "a hook waited for Redis"
             wait_until(lambda: bridge.health().degraded, 5.0, what="the writer to notice the outage")
+            # The writer logs the episode once it released the lock the hooks take.
+            wait_until(lambda: any(r.levelno == logging.WARNING for r in caplog.records), 5.0, what="the warning")
         assert (finished.removed, finished.fenced) == (True, False)
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "Connection refused" in warnings[0].getMessage()

@@ -188,6 +188,8 @@ def test_bridge_never_raises_on_a_bug_in_the_buffer(caplog: pytest.LogCaptureFix
         assert bridge.on_kv_signal(kv((5, 128, 64))) == []
         assert bridge.on_cache_task(cache_info(5, "req-1", need=192)) == [(5, 192)]
         wait_until(lambda: bridge.health().degraded, WAIT_S, what="the writer to meet the bug")
+        # The writer logs the episode once it released the lock the hooks take.
+        wait_until(lambda: any(r.levelno == logging.WARNING for r in caplog.records), WAIT_S, what="the warning")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "RuntimeError: a bug" in warnings[0].getMessage()
     assert bridge.health().errors == {"writer": 1}

@@ -15,8 +15,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
 
 from redis_layer_signals import CacheTask, InvalidConfig, SignalBuffer, SlotOccupied
 from redis_layer_signals.fastdeploy import Layer0Bridge
@@ -128,6 +130,67 @@ def test_without_a_fault_redis_ends_exactly_as_synchronous_calls_leave_it(server
         stats = bridged_state[0]
         assert stats["expired"] == 3 and stats["fenced"] == 1 and stats["dropped_over_need"] == 1
         assert stats["finish_dropped"] == 1 and stats["reregistered"] == 1 and stats["replaced"] == 1
+    finally:
+        bridge.close()
+        bridged.close()
+        direct.close()
+
+
+SLOTS = range(3)
+REQUESTS = ("req-a", "req-b", "req-c")
+STORY = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("record"),
+            st.lists(st.tuples(st.sampled_from(SLOTS), st.integers(0, 400)), min_size=1, max_size=3),
+            st.one_of(st.none(), st.sampled_from(REQUESTS)),
+        ),
+        st.tuples(st.just("register"), st.sampled_from(SLOTS), st.sampled_from(REQUESTS), st.sampled_from((100, 300))),
+        st.tuples(st.just("finish"), st.sampled_from(SLOTS), st.sampled_from(REQUESTS)),
+        st.tuples(st.just("clock"), st.sampled_from((7, int(TTL_S * 1000) + 1))),
+        st.tuples(st.just("flush")),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(story=STORY)
+def test_any_story_leaves_redis_as_synchronous_calls_leave_it(server: RedisServer, story: list[Any]) -> None:
+    """What the hooks decide in the process, and what the writer copies to Redis, whenever it
+    copies it (``flush`` at random points: a signal the process ends is then one Redis holds or
+    one it never saw): Redis ends with the tasks, pending signals and counters that the same
+    story told as synchronous calls leaves, and each hook queues only what Redis handed out."""
+    clock = Clock()
+    bridged, direct = buffer_on(server, clock), buffer_on(server, clock)
+    bridge = Layer0Bridge(bridged, "p0", 0, num_layers=LAYERS)
+    try:
+        for step in story:
+            if step[0] == "record":
+                _, entries, request_id = step
+                names = None if request_id is None else {slot: request_id for slot, _tokens in entries}
+                queued = bridge.on_kv_signal(kv(*[(slot, 0, tokens) for slot, tokens in entries]), names)
+                result = direct.record("p0", 0, 0, [(slot, tokens, request_id) for slot, tokens in entries])
+                assert set(queued) <= {(s.slot, s.tokens) for s in result.delivered}
+            elif step[0] == "register":
+                _, slot, request_id, need = step
+                queued = bridge.on_cache_task(cache_info(slot, request_id, need))
+                try:
+                    registered = direct.register(task(slot, request_id, need))
+                except SlotOccupied:
+                    registered = direct.register(task(slot, request_id, need), replace=True)
+                handed = [] if registered.repeated else [(s.slot, s.tokens) for s in registered.recovered]
+                assert queued == handed
+            elif step[0] == "finish":
+                _, slot, request_id = step
+                assert bridge.on_task_finished(slot, request_id) == direct.finish("p0", 0, slot, request_id)
+            elif step[0] == "clock":
+                clock.ms += step[1]
+            else:
+                assert bridge.flush(WAIT_S)
+            clock.ms += 1
+        assert bridge.flush(WAIT_S)
+        assert state(bridged, SLOTS) == state(direct, SLOTS)
     finally:
         bridge.close()
         bridged.close()

@@ -5,10 +5,19 @@ the bridge is ``redis_layer_signals.fastdeploy.Layer0Bridge`` in FastDeploy's la
 (the process registers every task of its rank). Both serve the same steps, a forward step of
 ``entries`` requests each prefilled in 2 chunks (first chunk's layer-0 signal before its task,
 the task, the second chunk's signal, the finish), under three conditions: a healthy Redis on
-loopback, the same behind a link that delays every byte by ``delay_s`` (a proxy on loopback),
+loopback, the same behind a link that delays every byte by ``delay_s`` (a proxy on loopback, in a process
+of its own),
 and Redis killed. Every hook call is timed. On the healthy server the run also reads Redis's
 CPU time (``INFO cpu``) and its calls (``INFO commandstats``) per request, with 8 requests in
 flight per forward step.
+
+Garbage collection: a full (generation 2) collection pauses every thread for as long as it takes
+to traverse every tracked object of the process, and whatever a thread was doing takes that long
+too, on either side. By default the run calls ``gc.freeze()`` once its imports are done and a
+warm-up case ran, as a server process that freezes its startup heap does (see the FastDeploy
+guide); ``--no-gc-freeze`` measures without it. Either way the run reports each side's largest
+call and every case's longest collection and its full collections, and the sender's part
+(taking the batches off each side's queue) is done between rounds, untimed.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import argparse
 import contextlib
 import gc
 import json
+import multiprocessing
 import queue
 import socket
 import statistics
@@ -43,6 +53,7 @@ CPU_STEPS = 2000
 """Forward steps of 8 requests for the Redis CPU figure."""
 REQUESTS_PER_S_PER_RANK = 40
 LAYERS = 61
+PROXY_START_S = 15.0
 HOOKS = ("on_kv_signal", "on_cache_task", "on_task_finished")
 
 
@@ -134,6 +145,35 @@ class DelayingProxy:
                 sock.close()
 
 
+class ProxyProcess:
+    """A ``DelayingProxy`` in a process of its own: its four threads never hold the benchmark's
+    interpreter lock (a link's delay is in the network, not in the process it slows)."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        self.process = context.Process(target=_serve_proxy, args=(target_port, delay_s, theirs), daemon=True)
+        self.process.start()
+        if not ours.poll(PROXY_START_S):
+            self.close()
+            raise OSError(f"the delaying proxy did not start within {PROXY_START_S:.0f} s")
+        self.port: int = ours.recv()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.join(PROXY_START_S)
+
+
+def _serve_proxy(target_port: int, delay_s: float, report: Any) -> None:
+    proxy = DelayingProxy(target_port, delay_s)
+    report.send(proxy.port)
+    threading.Event().wait()  # until terminated
+
+
 def _kv(entries: Sequence[tuple[int, int, int]]) -> Any:
     return encode_kv_signal(0, entries)
 
@@ -196,7 +236,14 @@ def _summary(ns: list[int]) -> dict[str, float]:
 
 def _bridge(url: str, retry_s: float = 0.5) -> tuple[SignalBuffer, Layer0Bridge]:
     buffer = SignalBuffer.from_url(url, namespace=f"bench-{uuid.uuid4().hex[:8]}", retry_s=retry_s, env={})
-    return buffer, Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS)
+    return buffer, Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, ready=queue.Queue())
+
+
+def _drain(ready: Any) -> None:
+    """What FastDeploy's sender does between forward steps: take the batches off the queue
+    (else every batch of the run stays alive, which no process keeps)."""
+    with ready.mutex:
+        ready.queue.clear()
 
 
 class GcPauses:
@@ -205,11 +252,14 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.longest_s = 0.0
+        self.full = 0
+        """Generation-2 collections (those that traverse every object not frozen)."""
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
+            self.full += info["generation"] == 2
         else:
             self.longest_s = max(self.longest_s, time.perf_counter() - self._started)
 
@@ -226,6 +276,7 @@ def _case(url: str, entries: int, steps: int, before: Callable[[], None] | None 
     with GcPauses() as pauses:
         out = _interleaved(url, entries, steps, before)
     out["longest_gc_us"] = pauses.longest_s * 1e6
+    out["full_collections"] = pauses.full
     return out
 
 
@@ -242,6 +293,8 @@ def _interleaved(url: str, entries: int, steps: int, before: Callable[[], None] 
             dict_times[hook] += ns
         for hook, ns in _drive(bridge, entries, steps // rounds, lambda e: KvSignal(0, tuple(e))).items():
             bridge_times[hook] += ns
+        _drain(fd.ready)
+        _drain(bridge.ready)
     out: dict[str, Any] = {"entries": entries, "hooks": {}}
     for hook in HOOKS:
         d, b = _summary(dict_times[hook]), _summary(bridge_times[hook])
@@ -249,6 +302,7 @@ def _interleaved(url: str, entries: int, steps: int, before: Callable[[], None] 
     every = [ns for hook in HOOKS for ns in bridge_times[hook]]
     out["bridge_all"] = _summary(every)
     out["largest_us"] = out["bridge_all"]["max_us"]
+    out["dict_largest_us"] = max(ns for hook in HOOKS for ns in dict_times[hook]) / 1000
     bridge.close()
     buffer.close()
     return out
@@ -296,15 +350,23 @@ def redis_cost(server: LocalRedis, steps: int) -> dict[str, Any]:
     }
 
 
-def run(entries: Sequence[int] = ENTRIES, steps: int = STEPS, delay_s: float = DELAY_S) -> dict[str, Any]:
+def run(
+    entries: Sequence[int] = ENTRIES, steps: int = STEPS, delay_s: float = DELAY_S, gc_freeze: bool = True
+) -> dict[str, Any]:
     result: dict[str, Any] = {"conditions": {}, "delay_s": delay_s, "steps": steps}
     server = LocalRedis(binary=REDIS_SERVER).start()
     try:
         client = server.client()
         result["machine"] = describe(client.info())
         client.close()
+        _case(server.url, max(entries), 20)  # warm-up: every path run once, untimed
+        result["gc"] = {"objects": len(gc.get_objects()), "frozen": 0}
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()
+            result["gc"]["frozen"] = gc.get_freeze_count()
         result["conditions"]["healthy"] = [_case(server.url, n, steps) for n in entries]
-        proxy = DelayingProxy(server.port, delay_s)
+        proxy = ProxyProcess(server.port, delay_s)
         try:
             result["conditions"][f"{delay_s * 1000:.0f} ms link"] = [_case(proxy.url, n, steps) for n in entries]
         finally:
@@ -318,6 +380,8 @@ def run(entries: Sequence[int] = ENTRIES, steps: int = STEPS, delay_s: float = D
         result["conditions"]["outage"] = outage
     finally:
         server.cleanup()
+        if gc_freeze:
+            gc.unfreeze()
     return result
 
 
@@ -331,31 +395,47 @@ def markdown(result: dict[str, Any]) -> str:
         f"Machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, shared with other "
         f"work while it ran; Python {result['machine']['python']}, Redis {result['machine']['redis_version']}.",
         "",
-        "| condition | entries | hook | dict p50 µs | bridge p50 µs | ratio | bridge p99 µs | bridge max µs |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| condition | entries | hook | dict p50 µs | bridge p50 µs | ratio | dict p99 µs | bridge p99 µs "
+        "| dict max µs | bridge max µs |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for condition, cases in result["conditions"].items():
         for case in cases:
             for hook, h in case["hooks"].items():
                 lines.append(
                     f"| {condition} | {case['entries']} | `{hook}` | {h['dict']['p50_us']:.1f} | "
-                    f"{h['bridge']['p50_us']:.1f} | {h['p50_ratio']:.2f} | {h['bridge']['p99_us']:.1f} | "
-                    f"{h['bridge']['max_us']:.0f} |"
+                    f"{h['bridge']['p50_us']:.1f} | {h['p50_ratio']:.2f} | {h['dict']['p99_us']:.1f} | "
+                    f"{h['bridge']['p99_us']:.1f} | {h['dict']['max_us']:.0f} | {h['bridge']['max_us']:.0f} |"
                 )
     cost = result["redis_cost"]
+    gc_state = result["gc"]
+    frozen = (
+        f"`gc.freeze()` after the imports and a warm-up case ({gc_state['frozen']} objects frozen)"
+        if gc_state["frozen"]
+        else f"no `gc.freeze()` ({gc_state['objects']} objects tracked after the warm-up)"
+    )
+
+    def per_condition(pick: Callable[[dict[str, Any]], float], unit: float = 1000) -> str:
+        return ", ".join(
+            f"{condition} {max(pick(c) for c in cases) / unit:.1f} ms"
+            for condition, cases in result["conditions"].items()
+        )
+
     lines += [
         "",
-        "Largest single hook call of the bridge, per condition: "
+        f"Garbage collection: {frozen}. Largest single hook call, per condition: the bridge's "
+        + per_condition(lambda c: c["largest_us"])
+        + "; the dict's "
+        + per_condition(lambda c: c["dict_largest_us"])
+        + ". Longest garbage collection of the interpreter during a case (a hook call it interrupts "
+        "takes that long, on either side): "
+        + per_condition(lambda c: c["longest_gc_us"])
+        + "; full collections per case: "
         + ", ".join(
-            f"{condition} {max(c['largest_us'] for c in cases) / 1000:.1f} ms"
+            f"{condition} {'/'.join(str(c['full_collections']) for c in cases)}"
             for condition, cases in result["conditions"].items()
         )
-        + ". Longest garbage collection of the interpreter during a case, per condition: "
-        + ", ".join(
-            f"{condition} {max(c['longest_gc_us'] for c in cases) / 1000:.1f} ms"
-            for condition, cases in result["conditions"].items()
-        )
-        + " (a hook call it interrupts takes that long).",
+        + ".",
         "",
         f"Redis's cost, 8 requests in flight per forward step, each prefilled in 2 chunks "
         f"({cost['requests']} requests): {cost['calls_per_request']:.3f} function calls and "
@@ -371,8 +451,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli = argparse.ArgumentParser(prog="rls bench --hooks", description=__doc__)
     cli.add_argument("--steps", type=int, default=STEPS)
     cli.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    cli.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="measure without gc.freeze() after the warm-up (full collections traverse every import's objects)",
+    )
     args = cli.parse_args(argv)
-    result = run(steps=args.steps)
+    result = run(steps=args.steps, gc_freeze=not args.no_gc_freeze)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hooks.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     (args.out / "hooks.md").write_text(markdown(result))

@@ -35,11 +35,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from .. import eviction, validation
+from .. import eviction, replies, validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
@@ -76,6 +76,14 @@ META_PASSTHROUGH = ("transfer_protocol", "ip")
 STATS_DEGRADED_MS, STATS_SERVED_LOCALLY, STATS_RECONCILED = "degraded_ms", "served_locally", "reconciled"
 """Fields the bridge adds to its rank's ``stats`` hash when an episode ends."""
 
+
+_FINISHED = {
+    (removed, dropped, fenced): FinishResult(removed=removed, dropped=dropped, fenced=fenced)
+    for removed in (False, True)
+    for dropped in (0, 1)
+    for fenced in (False, True)
+}
+"""The results a finish decided in the process can have (frozen: one of each is shared)."""
 
 T = TypeVar("T")
 _D = TypeVar("_D")
@@ -148,6 +156,14 @@ class Layer0Bridge:
         self.rank = rank
         self.block_size = block_size
         self.num_layers = num_layers
+        self._max_slots = buffer.config.max_slots
+        self._bridge_error: InvalidTask | None = None
+        """Why no task of this bridge is valid (its instance, rank or num_layers), else None:
+        checked once, each registration then refused with it."""
+        try:
+            buffer.protocol.task_keys(CacheTask(instance, rank, 0, "probe", 0, num_layers))
+        except InvalidTask as exc:
+            self._bridge_error = exc
         if ready is not None and not hasattr(ready, "put") and not callable(ready):
             raise InvalidConfig("ready", ready, "must be a queue or a callable returning one")
         self._ready: ReadySource = ready if ready is not None else queue.Queue()
@@ -166,6 +182,8 @@ class Layer0Bridge:
         to Redis; None when Redis judges (the adder runs in another process)."""
         self._offset_ms = 0
         """The server's clock minus this host's, from the last reply (the decisions' time)."""
+        self._writer_waits = False
+        """The writer waits for a decision (only then does a hook wake it)."""
         self._pending_since: float | None = None
         """When the oldest decision not yet taken by the writer was made (monotonic)."""
         self._in_flight: tuple[float, int] | None = None
@@ -234,20 +252,23 @@ class Layer0Bridge:
     def _on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None) -> Batch:
         operation = "on_kv_signal"
         try:
-            entries: list[tuple[Any, ...]] = list(layer0_entries(kv_signal_data))
-            if request_ids is not None:
-                entries = [(slot, tokens, request_ids.get(slot)) for slot, tokens in entries]
+            pairs = _layer0(kv_signal_data)
         except InvalidSignal as exc:
             self._invalid(operation, exc)
             return []
-        if not entries:
+        if not pairs:
             return []
         if self.owned is not None:
-            triples = [(e[0], e[1], e[2] if len(e) > 2 else None) for e in entries]
             with self._lock:
-                queued = self._queue(self.owned.record(triples, self._server_ms()))
+                queued, suppressed = self.owned.record(pairs, request_ids, self._server_ms())
+                if queued:
+                    self.ready.put(queued)
+                self._suppressed += suppressed
                 self._decided(operation)
             return queued
+        entries: list[tuple[Any, ...]] = list(pairs)
+        if request_ids is not None:
+            entries = [(slot, tokens, request_ids.get(slot)) for slot, tokens in entries]
         with self._lock:
             if self._degraded_since is not None:
                 return self._record_locally(entries)
@@ -317,14 +338,20 @@ class Layer0Bridge:
     def _register_owned(self, task: CacheTask) -> Batch:
         assert self.owned is not None
         with self._lock:
-            taken_from, early, reason = self.owned.register(task, self._server_ms())
+            taken_from, tokens, reason = self.owned.register(task, self._server_ms())
             self._decided("on_cache_task")
             if taken_from is not None:
                 self._log_takeover(task, taken_from)
-            if early is None:
+            if tokens is None:
                 return []
-            self._log_local_verdict(task, early, reason)
-            return self._queue([(task.slot, early.tokens)]) if reason is None else []
+            if reason is not None:
+                self._log_dropped(task, tokens, reason)
+                return []
+            batch = [(task.slot, tokens)]
+            self.ready.put(batch)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, tokens, task.request_id)
+        return batch
 
     def on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
         """In the sender, for each request it completed, before FastDeploy's lock block that
@@ -341,18 +368,18 @@ class Layer0Bridge:
     def _on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
         operation = "on_task_finished"
         try:
-            validation.slot(current_id, self.buffer.config.max_slots, InvalidTask)
+            validation.slot(current_id, self._max_slots, InvalidTask)
             validation.identifier(request_id, "request_id", InvalidTask)
         except InvalidTask as exc:
             self._invalid(operation, exc)
             return FinishResult(removed=False, dropped=0, fenced=False)
         if self.owned is not None:
             with self._lock:
-                removed, dropped, fenced = self.owned.finish(current_id, request_id, self._server_ms())
+                outcome = self.owned.finish(current_id, request_id, self._server_ms())
                 self._decided(operation)
-            if fenced:
+            if outcome[2]:
                 logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
-            return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
+            return _FINISHED[outcome]
         with self._lock:
             if self._degraded_since is not None:
                 return self._finish_locally(current_id, request_id)
@@ -497,7 +524,8 @@ class Layer0Bridge:
         taken yet (it takes everything decided until then in one batch)."""
         if self._pending_since is None:
             self._pending_since = time.monotonic()
-            self._wake.notify_all()
+            if self._writer_waits:
+                self._wake.notify_all()
         if self._degraded_since is not None:
             self._local_calls[operation] += 1
             self._episode_calls += 1
@@ -555,7 +583,9 @@ class Layer0Bridge:
         while True:
             with self._wake:
                 while not self._closed.is_set() and not owned.unwritten() and not self._resync:
+                    self._writer_waits = True
                     self._wake.wait(self.probe_s)
+                    self._writer_waits = False
                     owned.expire(self._server_ms())  # the local sweep, also when the rank is idle
                 if self._closed.is_set():
                     return
@@ -581,7 +611,9 @@ class Layer0Bridge:
                     break
                 except Exception as exc:
                     with self._lock:
-                        self._degrade("writer", exc)
+                        started = self._degrade("writer", exc, log=False)
+                    if started:  # a traceback formatted while the hooks wait for the lock: not here
+                        self._log_degraded("writer", exc)
                     every_slot = True  # Redis may have lost what it held: send every slot next
                     if self._closed.wait(self.probe_s):
                         return
@@ -621,9 +653,12 @@ class Layer0Bridge:
     # -- mapping ---------------------------------------------------------------------------
 
     def cache_task(self, cache_info: Mapping[str, Any]) -> CacheTask:
-        """Map FastDeploy's merged ``cache_info`` dict to a ``CacheTask`` (no I/O)."""
-        if not isinstance(cache_info, Mapping):
+        """Map FastDeploy's merged ``cache_info`` dict to a ``CacheTask`` (no I/O), every
+        field checked before any state changes (the bridge's own fields once, at start)."""
+        if type(cache_info) is not dict and not isinstance(cache_info, Mapping):
             raise InvalidTask("cache_info", type(cache_info).__name__, "must be a mapping")
+        if self._bridge_error is not None:
+            raise self._bridge_error
         meta: dict[str, str] = {}
         for field in (META_SRC_BLOCKS, META_DEST_BLOCKS):
             if field in cache_info:
@@ -632,18 +667,23 @@ class Layer0Bridge:
             value = cache_info.get(field)
             if isinstance(value, str):
                 meta[field] = value
-        task = CacheTask(
-            instance=self.instance,
-            rank=self.rank,
-            slot=_int_field(cache_info, "current_id"),
-            request_id=_required(cache_info, "request_id"),
-            need_prefill_tokens=_int_field(cache_info, "need_prefill_tokens"),
-            num_layers=self.num_layers,
-            decode_cached_tokens=_int_field(cache_info, "decode_cached_tokens", default=0),
-            meta=meta,
+        slot = _int_in(cache_info, "current_id", self._max_slots, name="slot")
+        request_id = validation.identifier(_required(cache_info, "request_id"), "request_id", InvalidTask)
+        need = _int_in(cache_info, "need_prefill_tokens", MAX_INT)
+        cached = _int_in(cache_info, "decode_cached_tokens", MAX_INT, default=0)
+        # In CacheTask's field order (see replies.cache_task); the meta is valid as built.
+        return replies.cache_task(
+            {
+                "instance": self.instance,
+                "rank": self.rank,
+                "slot": slot,
+                "request_id": request_id,
+                "need_prefill_tokens": need,
+                "num_layers": self.num_layers,
+                "decode_cached_tokens": cached,
+                "meta": meta,
+            }
         )
-        self.buffer.protocol.task_keys(task)  # every field checked here, before any state changes
-        return task
 
     # -- from Redis (callers hold no lock but where it says "under the lock") --------------
 
@@ -734,7 +774,8 @@ class Layer0Bridge:
     def _queue(self, entries: Iterable[tuple[int, int]]) -> Batch:
         """Put one batch on the sender's queue: entries of a slot whose registration is on its
         way wait behind it; an entry no further along than what the sender already has for
-        its request is dropped (its blocks are covered)."""
+        its request is dropped (its blocks are covered). Where the process owns its rank there
+        are no gates, and ``OwnedRank.record`` leaves out the same entries in its own loop."""
         batch: Batch = []
         for slot, tokens in entries:
             gate = self._gates.get(slot)
@@ -754,15 +795,25 @@ class Layer0Bridge:
 
     # -- episodes --------------------------------------------------------------------------
 
-    def _degrade(self, operation: str, exc: BaseException) -> None:
-        """Under the lock: count the error; start an episode (logged once, with its cause)."""
+    def _degrade(self, operation: str, exc: BaseException, log: bool = True) -> bool:
+        """Under the lock: count the error; start an episode (logged once, with its cause,
+        unless ``log`` is False: the caller then logs it with ``_log_degraded`` once it released
+        the lock, which the hooks wait for). True when the episode started here."""
         self._errors[operation] += 1
         if self._degraded_since is not None:
-            return
+            return False
         self._degraded_since = time.monotonic()
         self.local.counting = True
         self._episodes += 1
         self._episode_calls = self._episode_reconciled = 0
+        if log:
+            self._log_degraded(operation, exc)
+        if self.owned is None and (self._reconciler is None or not self._reconciler.is_alive()):
+            self._reconciler = threading.Thread(target=self._reconcile_loop, name="rls-reconcile", daemon=True)
+            self._reconciler.start()
+        return True
+
+    def _log_degraded(self, operation: str, exc: BaseException) -> None:
         logger.warning(
             "%s/%d: Redis failed in %s (%s: %s); serving this process locally until it answers",
             self.instance,
@@ -772,9 +823,6 @@ class Layer0Bridge:
             exc,
             exc_info=exc,
         )
-        if self.owned is None and (self._reconciler is None or not self._reconciler.is_alive()):
-            self._reconciler = threading.Thread(target=self._reconcile_loop, name="rls-reconcile", daemon=True)
-            self._reconciler.start()
 
     def _reconcile_loop(self) -> None:
         while not self._closed.wait(self.probe_s):
@@ -846,26 +894,34 @@ class Layer0Bridge:
                 "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, early.tokens, task.request_id
             )
         else:
-            logger.warning(
-                "dropped early layer-0 signal of slot %d (%d tokens) for request %s: %s",
-                task.slot,
-                early.tokens,
-                task.request_id,
-                reason.value,
-            )
+            self._log_dropped(task, early.tokens, reason)
+
+    def _log_dropped(self, task: CacheTask, tokens: int, reason: Any) -> None:
+        logger.warning(
+            "dropped early layer-0 signal of slot %d (%d tokens) for request %s: %s",
+            task.slot,
+            tokens,
+            task.request_id,
+            reason.value,
+        )
 
 
 def layer0_entries(kv_signal_data: Any) -> Batch:
     """The ``(slot, prefilled_tokens)`` entries of a layer-0 message (raw or decoded); ``[]``
     for an empty read or a later layer, whose entries are not decoded (this runs once per layer
     and chunk). A list, the batch shape ``record`` checks fastest."""
-    if isinstance(kv_signal_data, KvSignal):
+    return list(_layer0(kv_signal_data))
+
+
+def _layer0(kv_signal_data: Any) -> Sequence[tuple[int, int]]:
+    """``layer0_entries`` without the copy."""
+    if type(kv_signal_data) is KvSignal or isinstance(kv_signal_data, KvSignal):
         signal: KvSignal | None = kv_signal_data
     else:
         signal = decode_kv_signal(kv_signal_data, only_layer=SIGNAL_LAYER)
     if signal is None or signal.layer != SIGNAL_LAYER:
-        return []
-    return list(signal.entries)
+        return ()
+    return signal.entries
 
 
 def block_ids(task: CacheTask, field: str) -> list[int]:
@@ -888,10 +944,16 @@ def _required(cache_info: Mapping[str, Any], field: str) -> Any:
     return cache_info[field]
 
 
-def _int_field(cache_info: Mapping[str, Any], field: str, default: int | None = None) -> int:
-    if field not in cache_info and default is not None:
-        return default
-    return _as_int(_required(cache_info, field), field)
+def _int_in(cache_info: Mapping[str, Any], field: str, high: int, default: int | None = None, name: str = "") -> int:
+    """``cache_info[field]`` (``default`` when missing, if given), an int in ``[0, high)``;
+    the error names ``name`` (the task's field) for a value out of range. A plain int in
+    range, every registration's case, is settled by the first test."""
+    value = cache_info.get(field, default)
+    if type(value) is int and 0 <= value < high:
+        return value
+    if field in cache_info or default is None:
+        value = _as_int(_required(cache_info, field), field)
+    return validation.integer(value, name or field, InvalidTask, 0, high)
 
 
 def _join_ints(values: Any, field: str) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ..models import CacheTask, DropReason
 
 
-@dataclass
+@dataclass(slots=True)
 class LocalTask:
     """A task this process registered, and the furthest layer-0 signal queued for it."""
 
@@ -127,12 +127,19 @@ class LocalState:
 def verdict(signal: EarlySignal, task: CacheTask, now_ms: int) -> DropReason | None:
     """Why an early layer-0 signal must not be sent to ``task``, or None when it may (Redis's
     checks, in Redis's order)."""
-    if now_ms >= signal.deadline_ms:
+    return verdict_of(signal.tokens, signal.request_id, signal.deadline_ms, task, now_ms)
+
+
+def verdict_of(
+    tokens: int, request_id: str | None, deadline_ms: int, task: CacheTask, now_ms: int
+) -> DropReason | None:
+    """``verdict`` on a signal's fields."""
+    if now_ms >= deadline_ms:
         return DropReason.EXPIRED
-    if signal.request_id is not None and signal.request_id != task.request_id:
+    if request_id is not None and request_id != task.request_id:
         return DropReason.REQUEST_MISMATCH
-    if signal.tokens <= 0:
+    if tokens <= 0:
         return DropReason.NON_POSITIVE
-    if signal.tokens > task.need_prefill_tokens:
+    if tokens > task.need_prefill_tokens:
         return DropReason.OVER_NEED
     return None

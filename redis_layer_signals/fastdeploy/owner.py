@@ -7,6 +7,10 @@ same call (``delivered``, ``buffered``, ``superseded``, ``registered``, ``recove
 ``dropped_<reason>``, ``occupied`` and ``replaced`` for a takeover, ``reregistered``,
 ``finished``, ``finish_dropped``, ``fenced``, ``expired``), with the time on the server's clock.
 
+A hook call does on the caller's thread only what its decision needs (per buffered entry, a
+tuple of ints in a dict and a mark that its slot changed); what Redis stores (a signal's text, a
+task's lease and document) is built by ``take``, on the writer's thread.
+
 What Redis has not been told is kept compacted, so it stays bounded whatever an outage lasts:
 the counters' increments (a Counter: exact, whatever their number), and per slot a mark that its
 state changed, plus the fate of the one signal Redis holds for it, if the process ended that
@@ -20,25 +24,39 @@ No I/O and no locking: the bridge calls it under its own lock.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..models import CacheTask, DropReason
 from ..protocol import SlotState, encode_task
-from .local import EarlySignal, LocalTask, verdict
+from .local import EarlySignal, LocalTask, verdict_of
 
 UNKNOWN = "?"
 """The holder Redis has for a slot, when the process does not know it (apply then counts no
 override)."""
 
 
-@dataclass(slots=True)
-class Early:
-    """An early signal and its value as Redis stores it ("tokens,request_id,recorded_at,deadline")."""
+Early = tuple[int, str | None, int, int]
+"""An early signal: (tokens, request_id or None, recorded_at_ms, deadline_ms). A tuple, the
+cheapest object to build: one is built per buffered entry."""
 
-    signal: EarlySignal
-    stored: str
+NEVER = 1 << 62
+"""The local sweep's next deadline when the rank holds no early signal."""
+NO_FATE: tuple[str, Early | None] = ("", None)
+"""A changed slot's entry in ``OwnedRank._changed`` when no signal Redis holds ended."""
+
+
+def stored(early: Early) -> str:
+    """An early signal as Redis stores it: "tokens,request_id,recorded_at,deadline"."""
+    tokens, request_id, recorded_at_ms, deadline_ms = early
+    return f"{tokens},{request_id or ''},{recorded_at_ms},{deadline_ms}"
+
+
+def parse_stored(text: str) -> Early:
+    """The inverse of ``stored``."""
+    tokens, request_id, recorded_at_ms, deadline_ms = text.split(",")
+    return int(tokens), request_id or None, int(recorded_at_ms), int(deadline_ms)
 
 
 @dataclass
@@ -61,18 +79,18 @@ class OwnedRank:
         self.task_ttl_ms = task_ttl_ms
         self.tasks: dict[int, LocalTask] = {}
         self._early: dict[int, Early] = {}
-        self._deadlines: list[tuple[int, int, int, Early]] = []
-        """(deadline, sequence, slot, signal): the local sweep's queue (ended ones are skipped)."""
-        self._sequence = 0
+        self._next_deadline = NEVER
+        """No early signal expires before this. It may be the deadline of a signal that ended
+        since: the sweep then finds nothing to expire and moves it to the earliest live one."""
         self.counts: Counter[str] = Counter()
         """Counter increments not yet sent."""
-        self._changed: dict[int, tuple[str, str]] = {}
-        """Slots whose state changed since the last take -> (fate, value) of the signal Redis
-        holds that the process ended meanwhile (("", "") when none)."""
+        self._changed: dict[int, tuple[str, Early | None]] = {}
+        """Slots whose state changed since the last take -> (fate, signal) of the signal Redis
+        holds that the process ended meanwhile (``NO_FATE`` when none)."""
         self._redis_holder: dict[int, str] = {}
         """The holder the process last sent per slot ('' none)."""
-        self._redis_pending: dict[int, str] = {}
-        """The pending value the process last sent per slot."""
+        self._redis_pending: dict[int, Early] = {}
+        """The pending signal the process last sent per slot."""
         self.decisions = 0
         """Hook decisions since the last take."""
         self.in_flight: Batch | None = None
@@ -82,34 +100,49 @@ class OwnedRank:
 
     @property
     def early(self) -> dict[int, EarlySignal]:
-        return {slot: early.signal for slot, early in self._early.items()}
+        return {slot: self._signal(slot, early) for slot, early in self._early.items()}
 
-    def record(self, entries: list[tuple[int, int, str | None]], now_ms: int) -> list[tuple[int, int]]:
-        """Deliver each entry whose slot holds a task of this process (of its request, when the
-        entry names one), keep the others (newest wins): returns the delivered entries."""
+    def record(
+        self, entries: Iterable[tuple[int, int]], request_ids: Mapping[int, str] | None, now_ms: int
+    ) -> tuple[list[tuple[int, int]], int]:
+        """Deliver each entry whose slot holds a task of this process (of its request, when
+        ``request_ids`` names one for the slot), keep the others (newest wins). Returns the
+        delivered entries to queue, and how many delivered entries it leaves out because one as
+        far along was queued for the same request already (the sender has their blocks)."""
         self.expire(now_ms)
-        delivered: list[tuple[int, int]] = []
-        for slot, tokens, request_id in entries:
-            holder = self.tasks.get(slot)
-            if holder is not None and request_id in (None, holder.task.request_id):
-                self.counts["delivered"] += 1
-                delivered.append((slot, tokens))
-                continue
-            self.counts["buffered"] += 1
-            deadline = now_ms + self.pending_ttl_ms
-            signal = EarlySignal(tokens, deadline, shared=False, request_id=request_id)
-            early = Early(signal, f"{tokens},{request_id or ''},{now_ms},{deadline}")
-            self._end(slot, "superseded")
-            self._early[slot] = early
-            self._push(slot, early)
-            self._change(slot)
         self.decisions += 1
-        return delivered
+        tasks, early, changed = self.tasks, self._early, self._changed
+        deadline = now_ms + self.pending_ttl_ms
+        to_queue: list[tuple[int, int]] = []
+        delivered = buffered = suppressed = 0
+        for slot, tokens in entries:
+            request_id = None if request_ids is None else request_ids.get(slot)
+            holder = tasks.get(slot)
+            if holder is not None and (request_id is None or request_id == holder.task.request_id):
+                delivered += 1
+                if tokens <= holder.queued_tokens:
+                    suppressed += 1
+                else:
+                    holder.queued_tokens = tokens
+                    to_queue.append((slot, tokens))
+                continue
+            buffered += 1
+            if slot in early:
+                self._end(slot, "superseded")
+            early[slot] = (tokens, request_id, now_ms, deadline)
+            changed.setdefault(slot, NO_FATE)
+        if delivered:
+            self.counts["delivered"] += delivered
+        if buffered:
+            self.counts["buffered"] += buffered
+            self._next_deadline = min(self._next_deadline, deadline)
+        return to_queue, suppressed
 
-    def register(self, task: CacheTask, now_ms: int) -> tuple[str | None, EarlySignal | None, DropReason | None]:
+    def register(self, task: CacheTask, now_ms: int) -> tuple[str | None, int | None, DropReason | None]:
         """Make ``task`` the slot's holder and pop its early signal, as register.lua does.
-        Returns (the request it took the slot from or None, the early signal or None, why it
-        must not be sent or None). The same request again changes nothing (``reregistered``)."""
+        Returns (the request it took the slot from or None, the early signal's tokens or None,
+        why it must not be sent or None: else the caller queues it, counted as queued for the
+        task). The same request again changes nothing (``reregistered``)."""
         self.expire(now_ms)
         self.decisions += 1
         slot = task.slot
@@ -125,16 +158,17 @@ class OwnedRank:
         self.counts["registered"] += 1
         local = LocalTask(task, registered_at_ms=now_ms)
         self.tasks[slot] = local
-        self._change(slot)
+        self._changed.setdefault(slot, NO_FATE)
         early = self._early.get(slot)
         if early is None:
             return taken_from, None, None
-        reason = verdict(early.signal, task, now_ms)
+        tokens, request_id, recorded_at_ms, deadline_ms = early
+        reason = verdict_of(tokens, request_id, deadline_ms, task, now_ms)
         self._end(slot, "recovered" if reason is None else f"dropped_{reason.value}")
-        signal = early.signal
-        local.recovery = f"0,{signal.tokens},{signal.request_id or ''},{early.stored.split(',')[2]},"
-        local.recovery += f"{reason.value if reason is not None else ''};"
-        return taken_from, signal, reason
+        local.recovery = f"0,{tokens},{request_id or ''},{recorded_at_ms},{reason.value if reason else ''};"
+        if reason is None:
+            local.queued_tokens = tokens
+        return taken_from, tokens, reason
 
     def finish(self, slot: int, request_id: str, now_ms: int) -> tuple[bool, int, bool]:
         """As finish.lua: (removed, dropped, fenced)."""
@@ -144,34 +178,40 @@ class OwnedRank:
         if holder is not None and holder.task.request_id != request_id:
             self.counts["fenced"] += 1
             return False, 0, True
-        removed = self.tasks.pop(slot, None) is not None
+        removed = holder is not None
         if removed:
+            del self.tasks[slot]
             self.counts["finished"] += 1
-            self._change(slot)
+            self._changed.setdefault(slot, NO_FATE)
         early = self._early.get(slot)
-        dropped = early is not None and early.signal.request_id in (None, request_id)
+        dropped = early is not None and early[1] in (None, request_id)
         if dropped:
             self._end(slot, "finish_dropped")
-            self._change(slot)
         return removed, int(dropped), False
 
     def expire(self, now_ms: int) -> None:
-        """The local sweep: early signals whose deadline has passed end as ``expired``."""
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now_ms:
-            _deadline, _seq, slot, early = heapq.heappop(deadlines)
-            if self._early.get(slot) is early:
+        """The local sweep: early signals whose deadline has passed end as ``expired``. Costs a
+        comparison until the earliest deadline passes, then one pass over the rank's signals."""
+        if now_ms < self._next_deadline:
+            return
+        following = NEVER
+        for slot, early in list(self._early.items()):
+            if early[3] <= now_ms:
                 self._end(slot, "expired")
-                self._change(slot)
+            else:
+                following = min(following, early[3])
+        self._next_deadline = following
 
     def pending_here(self) -> int:
         """Early signals Redis has not been told about yet."""
-        return sum(1 for slot, early in self._early.items() if self._redis_pending.get(slot) != early.stored)
+        return sum(1 for slot, early in self._early.items() if self._redis_pending.get(slot) != early)
 
     # -- what Redis has not been told ---------------------------------------------------
 
     def unwritten(self) -> bool:
-        return bool(self._changed) or any(self.counts.values())
+        """Something to send: a changed slot, a counter, or a decision that changed neither (a
+        finish of an empty slot: its call confirms it, so the lag it counts ends)."""
+        return bool(self.decisions) or bool(self._changed) or any(self.counts.values())
 
     def unwritten_counts(self) -> dict[str, int]:
         """The counters' increments Redis does not hold yet (the batch in flight included),
@@ -208,7 +248,8 @@ class OwnedRank:
             slots |= set(self.tasks) | set(self._early) | {s for s, h in self._redis_holder.items() if h}
         states: list[SlotState] = []
         for slot in sorted(slots):
-            fate, value = self._changed.get(slot, ("", ""))
+            fate, ended = self._changed.get(slot, NO_FATE)
+            value = stored(ended) if ended is not None else ""
             holder = self.tasks.get(slot)
             prior = self._redis_holder.get(slot, UNKNOWN)
             if holder is None:
@@ -220,11 +261,11 @@ class OwnedRank:
                 doc, recovery = encode_task(task), holder.recovery
                 self._redis_holder[slot] = task.request_id
             early = self._early.get(slot)
-            pending = early.stored if early is not None else ""
+            pending = stored(early) if early is not None else ""
             if early is None:
                 self._redis_pending.pop(slot, None)
             else:
-                self._redis_pending[slot] = pending
+                self._redis_pending[slot] = early
             states.append((str(slot), prior, lease, doc, recovery, pending, fate, value))
         batch = Batch({name: n for name, n in self.counts.items() if n}, states, self.decisions, len(also) > 0)
         self.in_flight = batch
@@ -238,40 +279,30 @@ class OwnedRank:
         become this process's (a signal survives a restart of the messager); its tasks are no
         task of this process, so their slots are marked changed (the process's state wins:
         apply removes them and counts each as overridden)."""
-        for slot, stored in pending.items():
+        for slot, text in pending.items():
             if slot in self._early or slot in self.tasks:
                 continue
-            tokens, request_id, _recorded_at, deadline = stored.split(",")
-            signal = EarlySignal(int(tokens), int(deadline), shared=True, request_id=request_id or None)
-            early = Early(signal, stored)
+            early = parse_stored(text)
             self._early[slot] = early
-            self._redis_pending[slot] = stored
-            self._push(slot, early)
+            self._redis_pending[slot] = early
+            self._next_deadline = min(self._next_deadline, early[3])
         for slot in holders:
             if slot not in self.tasks:
                 self._redis_holder[slot] = ""  # none of this process's: found there, counted overridden
-                self._change(slot)
+                self._changed.setdefault(slot, NO_FATE)
         self.expire(now_ms)
 
     # -- inside -------------------------------------------------------------------------
 
-    def _push(self, slot: int, early: Early) -> None:
-        """Queue an early signal for the local sweep. Ended ones stay queued until their
-        deadline; once they outnumber the live ones the queue is rebuilt from the live ones, so
-        it stays bounded by the slots too."""
-        self._sequence += 1
-        heapq.heappush(self._deadlines, (early.signal.deadline_ms, self._sequence, slot, early))
-        if len(self._deadlines) > 2 * len(self._early) + 64:
-            self._deadlines = [entry for entry in self._deadlines if self._early.get(entry[2]) is entry[3]]
-            heapq.heapify(self._deadlines)
-
     def held(self) -> int:
-        """Entries the rank's state holds (tasks, early signals, the sweep's queue, what is not
-        written yet): bounded by the slots, whatever an outage lasts."""
-        return len(self.tasks) + len(self._early) + len(self._deadlines) + len(self._changed) + len(self.counts)
+        """Entries the rank's state holds (tasks, early signals, what is not written yet):
+        bounded by the slots, whatever an outage lasts."""
+        return len(self.tasks) + len(self._early) + len(self._changed) + len(self.counts)
 
-    def _change(self, slot: int) -> None:
-        self._changed.setdefault(slot, ("", ""))
+    def _signal(self, slot: int, early: Early) -> EarlySignal:
+        tokens, request_id, _recorded_at_ms, deadline_ms = early
+        shared = self._redis_pending.get(slot) == early
+        return EarlySignal(tokens, deadline_ms, shared=shared, request_id=request_id)
 
     def _end(self, slot: int, fate: str) -> None:
         """The slot's early signal ends as ``fate``: counted now if Redis never heard of it,
@@ -279,8 +310,8 @@ class OwnedRank:
         early = self._early.pop(slot, None)
         if early is None:
             return
-        if self._redis_pending.get(slot) == early.stored:
-            self._changed[slot] = (fate, early.stored)
+        if self._redis_pending.get(slot) == early:
+            self._changed[slot] = (fate, early)
         else:
             self.counts[fate] += 1
-            self._change(slot)
+            self._changed.setdefault(slot, NO_FATE)
