@@ -317,6 +317,12 @@ class TwoProcesses:
     consumer: Layer0Bridge
     adder: Layer0Bridge
 
+    def write_back(self, first: str) -> None:
+        """Redis answers again: ``first`` ("consumer" or "adder") writes back, then the other."""
+        order = (self.consumer, self.adder) if first == "consumer" else (self.adder, self.consumer)
+        for bridge in order:
+            assert bridge.reconcile()
+
 
 @contextlib.contextmanager
 def two_processes(server: RedisServer) -> Iterator[TwoProcesses]:
@@ -355,9 +361,7 @@ def test_expired_signal_is_not_queued_to_the_next_request_when_the_adder_runs_in
         clock.ms += int(TTL_S * 1000) + 1
         adder.on_cache_task(cache_info(6, "req-next", need=8192))
         server.start()
-        order = (consumer, adder) if first == "consumer" else (adder, consumer)
-        for bridge in order:
-            assert bridge.reconcile()
+        run.write_back(first)
         assert ready.empty(), f"queued {ready.get_nowait()}"
         stats = buffers[0].stats()
         assert (stats["recorded"], stats["expired"] + stats.get("dropped_expired", 0), stats["recovered"]) == (1, 1, 0)
@@ -376,9 +380,7 @@ def test_signal_in_time_stays_in_time_whichever_process_writes_back_first(server
         adder.on_cache_task(cache_info(6, "req-1", need=4096))
         clock.ms += int(TTL_S * 1000) * 3  # the outage outlasts the TTL
         server.start()
-        order = (consumer, adder) if first == "consumer" else (adder, consumer)
-        for bridge in order:
-            assert bridge.reconcile()
+        run.write_back(first)
         assert ready.get_nowait() == [(6, 4096)]
         assert ready.empty()
         stats = buffers[0].stats()
@@ -411,9 +413,7 @@ def test_signal_of_a_finished_request_is_not_left_for_the_next_one_whichever_wri
         in_flight = [op.future for bridge in (consumer, adder) for op in bridge._journal if hasattr(op, "future")]
         wait_until(lambda: all(future.done() for future in in_flight), WAIT_S, what="the calls on their way to fail")
         server.start()
-        order = (consumer, adder) if first == "consumer" else (adder, consumer)
-        for bridge in order:
-            assert bridge.reconcile()
+        run.write_back(first)
         assert buffers[0].pending("p0", 0, 6) == []
         adder.on_cache_task(cache_info(6, "req-2", need=8192))
         assert ready.empty(), f"queued {ready.get_nowait()}"
