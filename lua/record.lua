@@ -17,9 +17,10 @@
 -- args[9] the rest of each entry, "tokens,request_id;" in the same order (request_id empty
 --         when unknown). Apart from the slots: a batch that is all delivered never reads it.
 -- args[10] task_ttl_ms of the holders, given with a time of the caller's (args[1]: a replay,
---         or a call sent late, may decide in the past); empty with the server's TIME. A holder registered (its lease deadline minus this) at or after the
---         signals' deadline came too late for them: they are buffered as of args[1], already
---         expired, and the next sweep counts them expired. A slot finished after args[1]
+--         or a call sent late, may decide in the past); empty with the server's TIME. A
+--         holder registered (its lease deadline minus this) at or after the signals' deadline
+--         came too late for them: they are buffered as of args[1], already expired, and the
+--         next sweep counts them expired. A slot finished after args[1]
 --         (`ended`) ended the signal: it is counted buffered and finish_dropped, as that
 --         finish would have counted it, and neither delivered nor kept (the slot may hold the
 --         next request by now).
@@ -42,6 +43,18 @@ local function split_rests(packed)
     rests[#rests + 1] = rest
   end
   return rests
+end
+
+-- A replay: whether the slot's latest finish ("<finished at>|<request id>", or false) came
+-- after now and ended a signal whose rest is "tokens,request_id": one of its request, or
+-- naming none, as finish.lua drops them.
+local function ended_by(finish, rest, now)
+  local bar = string.find(finish, '|', 1, true)
+  if tonumber(string.sub(finish, 1, bar - 1)) <= now then
+    return false
+  end
+  local rid = string.sub(rest, string.find(rest, ',', 1, true) + 1)
+  return rid == '' or rid == string.sub(finish, bar + 1)
 end
 
 local function record(keys, args)
@@ -86,18 +99,11 @@ local function record(keys, args)
   local finished = late16 and redis.call('HMGET', ended_key, unpack(slots)) or {}
   local buffered, ended = {}, {}
   for i = 1, n do
-    local value = holders[i]
-    local finish = finished[i]
-    if finish and tonumber(sub(finish, 1, find(finish, '|', 1, true) - 1)) > now then
-      rests = rests or split_rests(args[9])
-      local rid = sub(rests[i], find(rests[i], ',', 1, true) + 1)
-      if rid ~= '' and rid ~= sub(finish, find(finish, '|', 1, true) + 1) then
-        finish = nil -- a signal of another request: that finish left it
-      end
-    else
-      finish = nil
-    end
+    local value, finish = holders[i], finished[i]
     if finish then
+      rests = rests or split_rests(args[9])
+    end
+    if finish and ended_by(finish, rests[i], now) then
       ended[#ended + 1] = i
     else
       local delivered = value and value > next16 and not (late16 and value >= late16)
