@@ -109,6 +109,35 @@ def test_a_call_refused_for_a_missing_permission_changes_nothing_and_names_the_c
         assert refused == []
 
 
+def test_a_key_left_out_of_the_users_patterns_is_found_before_anything_is_written(
+    server: RedisServer, admin: redis.Redis
+) -> None:
+    """Key patterns narrower than the rule's, leaving out the rank's finish marks (``ended``):
+    the check runs on all the rank's keys, not only those of the first call, so the rank's
+    first call is refused already (the server refuses the check's own FCALL on that key), and
+    nothing is written."""
+    namespace = f"acl-{uuid.uuid4().hex[:8]}"
+    prepare(server.url, namespace)
+    user = f"rls-{uuid.uuid4().hex[:6]}"
+    base = f"rls:{{{namespace}/*}}:"
+    patterns = [f"~{base}{kind}" for kind in ("live", "pending", "expiry", "stats", "reply:*", "writer:*")]
+    commands = [rule for rule in acl.rules(namespace) if not rule.startswith(("~", "resetkeys"))]
+    rules = ["resetkeys", *patterns, *commands]
+    admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}", *rules)
+    url = f"redis://{user}:{PASSWORD}@127.0.0.1:{server.port}/0"
+    buf = SignalBuffer.from_url(url, namespace=namespace, env={}, retry_s=1)
+    try:
+        before = keyspace(admin, namespace)
+        for call in (lambda: buf.register(task(7, "req-7")), lambda: buf.finish("p0", 0, 5, "live-5")):
+            with pytest.raises(NoPermissionError) as refused:
+                call()
+            assert refused.value.command in ("fcall", "hset"), str(refused.value)
+        assert keyspace(admin, namespace) == before
+    finally:
+        buf.close()
+        admin.execute_command("ACL", "DELUSER", user)
+
+
 def test_without_function_load_a_missing_library_is_refused_and_nothing_written(
     server: RedisServer, admin: redis.Redis
 ) -> None:
