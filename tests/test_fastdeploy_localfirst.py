@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import queue
 import signal
 import time
@@ -425,6 +426,32 @@ def test_signal_of_a_finished_request_is_not_left_for_the_next_one_whichever_wri
         assert (stats["recorded"], stats.get("delivered", 0)) == (1, 0)
 
 
+def test_a_task_registered_during_an_outage_and_finished_elsewhere_does_not_hide_the_next_ones_signal(
+    server: RedisServer,
+) -> None:
+    """The adder registers req-a while Redis is down; once Redis answers, its write-back hands
+    req-a the signal, and req-a is finished by the consumer's process. The next request on the
+    slot, registered by the adder with Redis healthy, gets its own signal: the adder's note of
+    what it queued for req-a does not cover req-b (before, req-b's batch was left out and the
+    request hung)."""
+    with two_processes(server) as run:
+        clock, ready, consumer, adder = run.clock, run.ready, run.consumer, run.adder
+        server.kill()
+        adder.on_cache_task(cache_info(5, "req-a", need=4096))
+        in_flight = [op.future for op in adder._journal if hasattr(op, "future")]
+        wait_until(lambda: all(future.done() for future in in_flight), WAIT_S, what="the call on its way to fail")
+        server.start()
+        clock.ms += 100
+        assert consumer.on_kv_signal(kv((5, 0, 200))) == []  # buffered: Redis has no task yet
+        assert adder.reconcile()
+        assert ready.get_nowait() == [(5, 200)]
+        consumer.on_task_finished(5, "req-a")
+        clock.ms += 100
+        assert consumer.on_kv_signal(kv((5, 0, 64))) == []
+        assert adder.on_cache_task(cache_info(5, "req-b", need=4096)) == [(5, 64)]
+        assert ready.get_nowait() == [(5, 64)]
+
+
 def test_hook_that_waits_past_its_budget_journals_and_the_call_counts_once(server: RedisServer) -> None:
     """Where Redis judges (the adder in another process), a hook waits for its call at most
     ``hook_budget_ms``: with Redis hung (SIGSTOP), it returns within the budget and the bridge
@@ -501,6 +528,40 @@ def test_batch_resent_after_a_long_outage_adds_its_counters_once(server: RedisSe
         assert fates == {"recorded": 1, "buffered": 1, "registered": 1, "recovered": 1, "finished": 1}
         assert stats["replayed"] >= 1
         assert buffer.task("p0", 0, 3) is None and buffer.pending("p0", 0, 3) == []
+    finally:
+        bridge.close()
+        buffer.close()
+
+
+def test_writer_that_meets_a_bug_of_its_own_goes_on_and_redis_ends_exact(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in the writer (here: building its first call raises) is logged and counted, the
+    writer thread lives on, and the batch it held goes with the next one: Redis ends with the
+    same tasks, signals and counters as without the bug."""
+    buffer = buffer_on(server)
+    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, probe_s=0.05)
+    build = buffer.protocol.apply
+    failures = iter([RuntimeError("a bug in the writer")])
+
+    def apply_once_broken(*args: Any, **kwargs: Any) -> Any:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return build(*args, **kwargs)
+
+    buffer.protocol.apply = apply_once_broken  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.ERROR, logger="redis_layer_signals.fastdeploy"):
+            assert bridge.on_kv_signal(kv((3, 0, 128), (4, 0, 64))) == []
+            assert bridge.on_cache_task(cache_info(3, "req-1", need=128)) == [(3, 128)]
+            bridge.on_task_finished(3, "req-1")
+            assert bridge.flush(WAIT_S)
+        assert "writer failed in the bridge itself" in caplog.text
+        assert bridge.health().errors == {"writer": 1}
+        stats, tasks, pending = state(buffer, range(3, 5))
+        assert stats == {"recorded": 2, "buffered": 2, "registered": 1, "recovered": 1, "finished": 1}
+        assert tasks == [None, None] and [len(p) for p in pending] == [0, 1]
     finally:
         bridge.close()
         buffer.close()

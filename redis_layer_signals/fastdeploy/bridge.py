@@ -64,9 +64,9 @@ before it stops waiting and journals, as for an outage. A healthy Redis answers 
 millisecond (loopback) to a few (across hosts), so 50 ms never triggers there, and it bounds a
 stall of FastDeploy's signal consumer to about one forward step."""
 DEFAULT_PROBE_S = 0.5
+"""While degraded, how often the bridge tries to reach Redis and write back what it decided."""
 OFFSET_MAX_ROUND_TRIP_S = 1.0
 """A reply that took longer (resent after errors) says too little about the clocks' offset."""
-"""While degraded, how often the bridge tries to reach Redis and write back what it decided."""
 META_SRC_BLOCKS = "src_block_ids"
 META_DEST_BLOCKS = "dest_block_ids"
 """Task meta fields holding the block ids, comma-joined, so a sender in another process can
@@ -171,7 +171,12 @@ class Layer0Bridge:
         self.probe_s = float(probe_s)
         self.hook_budget_s = float(hook_budget_ms) / 1000
         self._caller: concurrent.futures.ThreadPoolExecutor | None = None
-        """Where Redis judges: runs each hook's call, which the hook waits for within its budget."""
+        """Where Redis judges: runs each hook's call, which the hook waits for within its budget.
+        A worker per hook thread of FastDeploy's (consumer, adder, sender) and a spare: calls of
+        different threads run side by side, as they did without the budget. Made here, before
+        any hook thread runs (its threads start with the first call)."""
+        if not registers_tasks:
+            self._caller = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rls-hook")
         self.local = LocalState()
         self._pending_ttl_ms = round(buffer.config.pending_ttl_s * 1000)
         self._lock = threading.Lock()
@@ -188,7 +193,6 @@ class Layer0Bridge:
         """When the oldest decision not yet taken by the writer was made (monotonic)."""
         self._in_flight: tuple[float, int] | None = None
         """(oldest decision, decisions) of the batch the writer is sending."""
-        self._written = 0
         self._resync = False
         """Redis holds other slots than the process believes: the next batch lists them all."""
         self._writer_token = new_token()
@@ -399,10 +403,7 @@ class Layer0Bridge:
     def _within_budget(self, call: Callable[[], T]) -> T:
         """Run a hook's Redis call; past ``hook_budget_ms`` stop waiting (``OverBudget``:
         the hook journals, as for an outage, and the write-back takes the call's own outcome)."""
-        if self._caller is None:
-            # A worker per hook thread of FastDeploy's (consumer, adder, sender) and a spare: calls
-            # of different threads run side by side, as they did without the budget.
-            self._caller = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rls-hook")
+        assert self._caller is not None  # only where Redis judges
         future = self._caller.submit(call)
         try:
             return future.result(timeout=self.hook_budget_s)
@@ -575,6 +576,26 @@ class Layer0Bridge:
         return True
 
     def _write_loop(self) -> None:
+        """The writer thread, until the bridge closes. A bug of its own is logged and counted
+        (``health().errors["writer"]``) and the writer goes on: the batch it held is sent with
+        the next, which lists every slot of the rank."""
+        while True:
+            try:
+                self._write_batches()
+                return
+            except Exception as exc:
+                self._bug("writer", exc)
+                with self._wake:
+                    assert self.owned is not None
+                    self.owned.give_back()
+                    self._in_flight = None
+                    self._resync = True
+                    if self._pending_since is None:
+                        self._pending_since = time.monotonic()
+                if self._closed.wait(self.probe_s):
+                    return
+
+    def _write_batches(self) -> None:
         """Take what the process decided and not yet written, send it as one ``apply``, again
         until Redis has it; the next batch holds what was decided meanwhile, compacted."""
         owned = self.owned
@@ -622,7 +643,6 @@ class Layer0Bridge:
                     self._offset_ms = applied.now_ms - int(midway * 1000)
                 self._in_flight = None
                 owned.written()
-                self._written += batch.decisions
                 if (applied.tasks, applied.pending) != owned.believed() and not batch.everything:
                     # Redis lost slots this batch did not list (a restart, a failover) or holds
                     # some the process never wrote: the next batch lists every slot of the rank.
@@ -717,6 +737,11 @@ class Layer0Bridge:
             )
         recovered = [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
         self.local.early.pop(task.slot, None)  # what the journal kept for it: Redis answered
+        holder = self.local.tasks.get(task.slot)
+        if holder is not None and holder.task.request_id != task.request_id:
+            # A request registered here while degraded, finished by another process: what was
+            # queued for it must not count as queued for the request that holds the slot now.
+            del self.local.tasks[task.slot]
         if result.repeated:
             recovered = []  # the same handoff: its batch was queued the first time
         held = self._gates.pop(task.slot, [])

@@ -87,8 +87,9 @@ class LocalState:
         signal: returns the signal and, when it must not be sent, why (see ``verdict``).
         The same request registered again keeps what was queued for it."""
         holder = self.tasks.get(task.slot)
-        if holder is None or holder.task.request_id != task.request_id:
-            self.tasks[task.slot] = LocalTask(task)
+        if holder is not None and holder.task.request_id == task.request_id:
+            return None, None  # a repeat, as register.lua answers it: the slot's signal stays
+        self.tasks[task.slot] = LocalTask(task)
         early = self.early.pop(task.slot, None)
         if early is None:
             return None, None
@@ -97,17 +98,19 @@ class LocalState:
         return early, reason
 
     def finish(self, slot: int, request_id: str) -> tuple[bool, int, bool]:
-        """Release the slot if ``request_id`` holds it and drop its early signal; fenced (nothing
-        changes) when another request holds it. Returns (removed, dropped, fenced), like
-        ``redis_layer_signals.models.FinishResult``."""
+        """Release the slot if ``request_id`` holds it and drop its early signal (one of this
+        request, or naming none); fenced (nothing changes) when another request holds it.
+        Returns (removed, dropped, fenced), like ``redis_layer_signals.models.FinishResult``."""
         holder = self.tasks.get(slot)
         if holder is not None and holder.task.request_id != request_id:
             return False, 0, True
         removed = self.tasks.pop(slot, None) is not None
-        early = self.early.pop(slot, None)
-        if early is not None:
-            self._count_end(early, "finish_dropped")
-        return removed, int(early is not None), False
+        early = self.early.get(slot)
+        if early is None or early.request_id not in (None, request_id):
+            return removed, 0, False  # a signal of another request stays for it, as in finish.lua
+        del self.early[slot]
+        self._count_end(early, "finish_dropped")
+        return removed, 1, False
 
     def count_delivered(self) -> None:
         """A signal decided here went to the sender."""

@@ -232,6 +232,20 @@ class OwnedRank:
         """Redis confirmed the batch in flight."""
         self.in_flight = None
 
+    def give_back(self) -> None:
+        """The batch in flight will never be confirmed (the writer met a bug of its own before
+        Redis had it): its counters and its slots' fates go with the next batch. The caller
+        has the next batch list every slot, since what the process believes Redis holds was
+        updated when the batch was taken."""
+        batch, self.in_flight = self.in_flight, None
+        if batch is None:
+            return
+        self.counts.update(batch.counts)
+        self.decisions += batch.decisions
+        for state in batch.slots:
+            fate, value = state[6], state[7]
+            self._changed.setdefault(int(state[0]), (fate, parse_stored(value)) if fate else NO_FATE)
+
     def believed(self) -> tuple[int, int]:
         """The tasks and pending signals Redis holds for the rank, as far as the process knows
         (what ``apply`` reports after the last batch, unless Redis lost or kept others)."""
