@@ -82,14 +82,11 @@ class SlotRefresher:
 
     def _refresh(self, failed: str | None, extra: list[tuple[str, int]]) -> None:
         try:
-            try:  # redis-py 6+: the failed node last, and the other nodes' connections left alone
-                self._initialize(
-                    additional_startup_nodes_info=extra or None,
-                    last_failed_node_name=failed,
-                    disconnect_startup_nodes_pools=False,
-                )
-            except TypeError:  # redis-py 5 knows neither keyword
-                self._initialize()
+            self._initialize(
+                additional_startup_nodes_info=extra or None,
+                last_failed_node_name=failed,
+                disconnect_startup_nodes_pools=False,  # the other nodes' connections left alone
+            )
         except Exception:  # the next call that fails asks again
             pass
         finally:
