@@ -162,7 +162,7 @@ class AsyncSignalBuffer(BufferBase):
         except ResponseError as exc:
             if not function_missing(exc):
                 raise
-        await async_ensure_library(self.client, call.keys[0])
+        await _by_deadline(async_ensure_library(self.client, call.keys[0]))
         try:
             return await send()
         except ResponseError as exc:
@@ -268,18 +268,21 @@ class AsyncSignalBuffer(BufferBase):
             return await self._send(operation, call)
         except RETRYABLE as exc:
             self._server_unchecked = True  # a reconnect may reach another node
-            return await self._resend(operation, partial(self._send, operation, call), started, exc)
+            resend = self._resend(operation, partial(self._send, operation, call), started, exc)
+            return await _by_deadline(resend)
 
     # -- replication option (wait_replicas): see replication.py --------------------------------
 
     async def _send(self, operation: str, call: ScriptCall) -> Any:
+        # The steps before the call, and the WAIT path, use the client's own commands, which
+        # the direct path's per-read deadline does not reach: each is bounded by the call's.
         if self._server_unchecked:
-            await self._check_server(call.keys[0])
+            await _by_deadline(self._check_server(call.keys[0]))
         if call.keys[0] not in self._allowed:
-            await self._allow(operation, call)
+            await _by_deadline(self._allow(operation, call))
         if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
             wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
-            return await replication.async_run_and_wait(self.client, call, operation, wanted, timeout_ms)
+            return await _by_deadline(replication.async_run_and_wait(self.client, call, operation, wanted, timeout_ms))
         return await self._run_script(call)
 
     async def _allow(self, operation: str, call: ScriptCall) -> None:
@@ -288,3 +291,14 @@ class AsyncSignalBuffer(BufferBase):
         if failure is not None:
             raise failure
         self._allowed.add(call.keys[0])
+
+
+async def _by_deadline(step: Awaitable[T]) -> T:
+    """``step`` within the call's deadline (``call_deadline``), when one is set: the direct
+    path times its own reads, not what a call sends through the client itself (a server check,
+    loading the library, the permission check, WAIT, a resend's reconnect)."""
+    ends = call_deadline.get()
+    if ends is None:
+        return await step
+    async with async_timeout(ends - time.monotonic()):
+        return await step

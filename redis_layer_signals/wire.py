@@ -28,6 +28,7 @@ closes the connection rather than keeping it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Sequence
@@ -192,7 +193,12 @@ class AsyncDirectCalls(_KeptConnections):
         left = None if ends is None else ends - time.monotonic()
         if left is not None and left <= 0:
             raise TimeoutError("the call's deadline passed before sending")
-        connection = idle.pop() if idle else await self._pool.get_connection()
+        if idle:
+            connection = idle.pop()
+        elif left is None:
+            connection = await self._pool.get_connection()
+        else:  # connecting, too, within the call's deadline (a client's own connect timeout may be none)
+            connection = await asyncio.wait_for(self._pool.get_connection(), left)
         configured = connection.socket_timeout
         if left is not None and (configured is None or left < configured):
             # Sending and the whole reply within the call's deadline, however the reply

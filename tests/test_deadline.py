@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio
 
 from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, SignalBuffer
 from redis_layer_signals.deadline import MARGIN_S
@@ -173,3 +174,34 @@ def test_the_sentinel_client_is_bounded_when_no_sentinel_answers(namespace: str)
         assert error is not None and elapsed < BOUND_S, elapsed
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("first_call", [True, False])
+def test_the_async_buffer_on_a_client_of_your_own_is_bounded_when_the_server_stops_answering(
+    proxy: Proxy, namespace: str, first_call: bool
+) -> None:
+    """A plain ``redis.asyncio.Redis`` with no timeouts of its own: the call's first steps (the
+    server check, the permission check) and a resend go through that client, not the direct
+    path that times its reads, and are bounded by the call's deadline too (before, a first
+    ``record`` through a black hole took 59.5 s with ``retry_s`` 0.5)."""
+
+    async def run() -> tuple[float, bool]:
+        client = redis.asyncio.Redis(port=proxy.port)
+        buf = AsyncSignalBuffer(client, namespace=namespace, retry_s=RETRY_S)
+        if not first_call:
+            await buf.record("p0", 0, 0, [(6, 1)])  # checks done while the network is fine
+        proxy.mode = BLACK_HOLE
+        started = time.monotonic()
+        try:
+            await buf.record("p0", 0, 0, [(5, 100)])
+        except BufferUnavailable:
+            return time.monotonic() - started, True
+        finally:
+            proxy.mode = PASS
+            await buf.close()
+            await client.aclose()
+        return time.monotonic() - started, False
+
+    elapsed, raised = asyncio.run(run())
+    assert raised
+    assert elapsed < BOUND_S, elapsed
