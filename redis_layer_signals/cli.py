@@ -528,7 +528,7 @@ app.add_typer(library_app, name="library")
 
 @library_app.command("load")
 def library_load_command(
-    redis: RedisUrl = DEFAULT_URL,
+    redis: OperatorUrl = None,
     replace: Annotated[
         bool, typer.Option("--replace", help="Replace an rls_v2 built from other code (its clients then fail).")
     ] = False,
@@ -539,7 +539,7 @@ def library_load_command(
     naming both digests."""
     from . import connection, scripts
 
-    client = connection.sync_client(redis, retry_s=5.0)
+    client = connection.sync_client(_server_of("library load", redis), retry_s=5.0)
     digest = scripts.library().digest
     try:
         for name, node in scripts.nodes(client):
@@ -554,14 +554,14 @@ def library_load_command(
 
 
 @library_app.command("status")
-def library_status_command(redis: RedisUrl = DEFAULT_URL) -> None:
+def library_status_command(redis: OperatorUrl = None) -> None:
     """Whether the server's rls_v2 (on every primary of a Cluster) is exactly this release's code.
 
     Compares the code itself (FUNCTION LIST WITHCODE), not only the digest it reports; exits 1
     when a node has none or other code."""
     from . import connection, scripts
 
-    client = connection.sync_client(redis, retry_s=5.0)
+    client = connection.sync_client(_server_of("library status", redis), retry_s=5.0)
     ours = scripts.library()
     failed = False
     try:

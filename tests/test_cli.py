@@ -278,6 +278,8 @@ OPERATOR_COMMANDS = [
     ("stats", "--watch", "--count", "1"),
     ("purge", "--namespace", "x", "--yes"),
     ("metrics", "--port", "0", "--duration-s", "1"),
+    ("library", "load"),
+    ("library", "status"),
 ]
 
 
