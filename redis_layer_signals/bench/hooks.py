@@ -43,6 +43,7 @@ from ..buffer import SignalBuffer
 from ..fastdeploy.bridge import Layer0Bridge
 from ..fastdeploy.signals import KvSignal, encode_kv_signal
 from .machine import describe
+from .runner import default_out
 from .server import REDIS_SERVER, LocalRedis
 
 ENTRIES = (1, 8, 64)
@@ -188,7 +189,7 @@ def _steps(entries: int, steps: int) -> Iterator[tuple[Any, list[dict[str, Any]]
         second = _kv([(slot, 128, 128) for slot in slots])
         pairs = list(zip(slots, ids, strict=True))
         infos = [{"request_id": r, "current_id": s, "need_prefill_tokens": 256} for s, r in pairs]
-        yield first, infos, second, list(zip(slots, ids, strict=True))
+        yield first, infos, second, pairs
 
 
 def _drive(side: Any, entries: int, steps: int, wrap: Callable[[list[tuple[int, int]]], Any]) -> dict[str, list[int]]:
@@ -315,12 +316,18 @@ def _cpu(client: Any) -> tuple[float, int]:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"]), int(calls)
 
 
+def _flushed(bridge: Layer0Bridge, timeout_s: float) -> None:
+    """The writer caught up, or the figures would miss its calls (not an assert: ``-O`` drops those)."""
+    if not bridge.flush(timeout_s):
+        raise RuntimeError(f"the bridge's writer did not catch up within {timeout_s} s")
+
+
 def redis_cost(server: LocalRedis, steps: int) -> dict[str, Any]:
     """Redis's CPU and calls per request: 8 requests per forward step, 2 chunks each."""
     buffer, bridge = _bridge(server.url, retry_s=3.0)
     client = server.client()
     try:
-        assert bridge.flush(10)
+        _flushed(bridge, 10)
         cpu0, calls0 = _cpu(client)
         started = time.perf_counter()
         requests = 0
@@ -333,7 +340,7 @@ def redis_cost(server: LocalRedis, steps: int) -> dict[str, Any]:
                 bridge.on_task_finished(slot, request_id)
             requests += len(infos)
             time.sleep(0.0005)  # a forward step takes time: the writer batches what comes meanwhile
-        assert bridge.flush(30)
+        _flushed(bridge, 30)
         seconds = time.perf_counter() - started
         cpu1, calls1 = _cpu(client)
     finally:
@@ -450,7 +457,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     cli = argparse.ArgumentParser(prog="rls bench --hooks", description=__doc__)
     cli.add_argument("--steps", type=int, default=STEPS)
-    cli.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    cli.add_argument("--out", type=Path, default=None, help="default: a new rls-bench-<time> folder")
     cli.add_argument(
         "--no-gc-freeze",
         action="store_true",
@@ -458,8 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = cli.parse_args(argv)
     result = run(steps=args.steps, gc_freeze=not args.no_gc_freeze)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hooks.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    (args.out / "hooks.md").write_text(markdown(result))
+    out: Path = args.out or default_out()  # the committed results only when named
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hooks.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    (out / "hooks.md").write_text(markdown(result))
     print(markdown(result))
     return 0
