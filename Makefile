@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 # checks deploy/'s rules, prometheus runs the compose observability profile);
 # this makes sure the binaries exist (installing Debian's packages when we are root).
 servers:
-	@command -v ip >/dev/null && command -v tc >/dev/null && command -v nft >/dev/null || { [ "$$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables >/dev/null; } || { echo "the partition tests need ip, tc and nft (iproute2, nftables) and root" >&2; exit 1; }
+	@command -v ip >/dev/null && command -v nft >/dev/null || { [ "$$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables >/dev/null; } || { echo "the partition tests need ip and nft (iproute2, nftables) and root" >&2; exit 1; }
 	@missing=""; \
 	for tool in redis-server redis-cli redis-sentinel redis-benchmark docker-compose openssl valgrind callgrind_control promtool prometheus; do \
 	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \

@@ -26,6 +26,9 @@
 --   expiry   zset    "<slot // 8>" -> at or before the earliest pending deadline of those 8 slots
 --   stats    hash    counters (the only key without a TTL)
 --   reply    string  one call's reply, under its idempotency token
+--   ended    hash    "<slot>" -> "<finished at ms>|<request id>": the slot's latest finish
+--                    (finish.lua writes it, a replayed record reads it)
+--   writer   string  "<batch>|<reply>": the last batch one bridge process applied (apply.lua)
 --
 -- record writes each signal blind into its own field, so its cost does not depend on what the
 -- slot already holds; HSET's reply (fields created) tells how many replaced an older signal.

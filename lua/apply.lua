@@ -35,8 +35,9 @@
 -- process decides expiries and sends them as fates). The writer sends its batches one at a
 -- time, numbered, and resends one until it has the reply: a resend of the batch the writer key
 -- names returns the first reply and writes nothing new, however long the outage that delayed
--- it (a per-call reply key would expire, and the resend would add the counters again). Work is bounded by the slots listed (one HGET of the
--- live hash and at most two of the pending hash each).
+-- it (a per-call reply key would expire, and the resend would add the counters again). Work
+-- is bounded by the slots listed (one HGET of the live hash and at most two of the pending
+-- hash each).
 
 local SLOT_ARGS = 8
 

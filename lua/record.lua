@@ -33,7 +33,8 @@
 -- token returns the first reply and writes nothing new. One pending signal per slot and layer:
 -- the newest wins and the one it replaces is counted as superseded (also within one batch),
 -- from HSET's count of created fields. Counters: delivered, buffered, superseded ("recorded"
--- is the first two summed by the reader). Whatever the slot holds already, a buffered entry
+-- is the first two summed by the reader), and finish_dropped for a replayed signal a later
+-- finish ended. Whatever the slot holds already, a buffered entry
 -- costs one field in one HSET: no read of the slot's other layers.
 
 -- The rests of a batch's entries, "tokens,request_id" each, from args[9] ("...;" per entry).

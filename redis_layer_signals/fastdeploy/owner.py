@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..models import CacheTask, DropReason
 from ..protocol import SlotState, encode_task
-from .local import EarlySignal, LocalTask, verdict_of
+from .local import LocalTask, verdict_of
 
 UNKNOWN = "?"
 """The holder Redis has for a slot, when the process does not know it (apply then counts no
@@ -97,10 +97,6 @@ class OwnedRank:
         """The batch taken and not yet confirmed written."""
 
     # -- what the hooks decide ----------------------------------------------------------
-
-    @property
-    def early(self) -> dict[int, EarlySignal]:
-        return {slot: self._signal(slot, early) for slot, early in self._early.items()}
 
     def record(
         self, entries: Iterable[tuple[int, int]], request_ids: Mapping[int, str] | None, now_ms: int
@@ -312,11 +308,6 @@ class OwnedRank:
         """Entries the rank's state holds (tasks, early signals, what is not written yet):
         bounded by the slots, whatever an outage lasts."""
         return len(self.tasks) + len(self._early) + len(self._changed) + len(self.counts)
-
-    def _signal(self, slot: int, early: Early) -> EarlySignal:
-        tokens, request_id, _recorded_at_ms, deadline_ms = early
-        shared = self._redis_pending.get(slot) == early
-        return EarlySignal(tokens, deadline_ms, shared=shared, request_id=request_id)
 
     def _end(self, slot: int, fate: str) -> None:
         """The slot's early signal ends as ``fate``: counted now if Redis never heard of it,

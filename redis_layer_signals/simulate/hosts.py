@@ -11,9 +11,9 @@ there belong to it), which is how a test reads a server's INFO or runs a client 
 
 The nemesis works where a switch or a security group does, in the switch namespace, so neither
 end's kernel knows: an ``nft`` bridge-family table drops IPv4 frames (ARP still passes, so no
-host learns a quick "unreachable"), and ``tc netem`` on the switch side of a veth delays or
-loses what goes to a host (and on the host's ``eth0``, what comes from it); random loss is an
-``nft`` rule too (``numgen random``), so it works on kernels built without ``sch_netem``.
+host learns a quick "unreachable"); random loss is an ``nft`` rule too (``numgen random``), and
+a slow link is a relay that holds each chunk (``delay``), so both work on kernels built without
+``sch_netem``.
 
 Linux only, and root only.
 
@@ -53,7 +53,7 @@ _runs = itertools.count(1)
 
 
 class NamespacesUnavailable(RuntimeError):
-    """Network namespaces cannot be made here (not root, or ``ip``/``tc``/``nft`` missing)."""
+    """Network namespaces cannot be made here (not root, or ``ip``/``nft`` missing)."""
 
 
 def _sh(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -65,7 +65,7 @@ def _sh(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def require_namespaces() -> None:
     """Raise ``NamespacesUnavailable`` saying why these tests cannot run here."""
-    missing = [tool for tool in ("ip", "tc", "nft") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "nft") if shutil.which(tool) is None]
     if missing:
         raise NamespacesUnavailable(
             f"the partition tests need {', '.join(missing)}: run `make servers` as root (iproute2, nftables)"
@@ -118,7 +118,6 @@ class Hosts:
         self._threads: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._rules: list[str] = []
-        self._slowed: set[str] = set()
         self._delayed: set[str] = set()
         self._relays: list[DelayRelay] = []
         try:
@@ -207,18 +206,6 @@ class Hosts:
         self._rule(f"iifname {name} ether type ip numgen random mod 100 < {loss_pct} drop")
         self._rule(f"oifname {name} ether type ip numgen random mod 100 < {loss_pct} drop")
 
-    def slow(self, name: str, delay_ms: int) -> None:
-        """``tc netem``: each packet to or from host ``name`` waits ``delay_ms``. Raises
-        ``NamespacesUnavailable`` on a kernel without ``sch_netem``."""
-        for namespace, device in ((self.switch, name), (self.namespace(name), "eth0")):
-            done = _sh(
-                "ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root",
-                "netem", "delay", f"{delay_ms}ms", check=False,
-            )  # fmt: skip
-            if done.returncode != 0:
-                raise NamespacesUnavailable(f"tc netem is not available on this kernel: {done.stderr.strip()}")
-            self._slowed.add(name)
-
     def delay(self, server: str, client: str, port: int, delay_ms: int) -> None:
         """Every packet between host ``client`` and ``server``'s ``port`` arrives ``delay_ms``
         late, each way, for connections made from now on (established ones keep their path).
@@ -248,10 +235,6 @@ class Hosts:
         for relay in self._relays:
             relay.close()
         self._relays.clear()
-        for name in sorted(self._slowed):
-            for namespace, device in ((self.switch, name), (self.namespace(name), "eth0")):
-                _sh("ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root", check=False)
-        self._slowed.clear()
 
     @property
     def rules(self) -> list[str]:
