@@ -221,7 +221,7 @@ class Layer0Bridge:
         if registers_tasks:
             self.owned = OwnedRank(self._pending_ttl_ms, buffer.protocol.task_ttl_ms)
             self.local.tasks = self.owned.tasks  # one map: what the sender's queue checks
-            self._adopted = self._adopt()
+            self._adopted = self._adopted_at_start()
             self._writer = threading.Thread(target=self._write_loop, name="rls-writer", daemon=True)
             self._writer.start()
 
@@ -544,21 +544,27 @@ class Layer0Bridge:
         times = [t for t in (self._pending_since, self._in_flight[0] if self._in_flight else None) if t is not None]
         return time.monotonic() - min(times) if times else 0.0
 
-    def _adopt(self) -> bool:
-        """What an earlier process of this rank left in Redis (see ``OwnedRank.adopt``);
-        False when Redis did not answer (the writer tries again before its first write)."""
-        assert self.owned is not None
-        keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
-        client = self.buffer.client
+    def _adopted_at_start(self) -> bool:
+        """``_adopt`` when the bridge is made; False (logged) when Redis does not answer: the
+        writer then adopts before its first write."""
         try:
-            pending_raw = client.hgetall(keys.pending)
-            live_raw = client.hgetall(keys.live)
-            sent = time.time()
-            now = self.buffer.now_ms()
-            midway = (sent + time.time()) / 2
+            self._adopt()
         except Exception as exc:
             logger.warning("%s/%d: could not read what Redis holds for this rank: %s", self.instance, self.rank, exc)
             return False
+        return True
+
+    def _adopt(self) -> None:
+        """What an earlier process of this rank left in Redis (see ``OwnedRank.adopt``); raises
+        what reading it raised."""
+        assert self.owned is not None
+        keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
+        client = self.buffer.client
+        pending_raw = client.hgetall(keys.pending)
+        live_raw = client.hgetall(keys.live)
+        sent = time.time()
+        now = self.buffer.now_ms()
+        midway = (sent + time.time()) / 2
         pending: dict[int, str] = {}
         suffix = f":{SIGNAL_LAYER}"
         for field, value in pending_raw.items():
@@ -573,7 +579,6 @@ class Layer0Bridge:
             if self.owned.unwritten() and self._pending_since is None:
                 self._pending_since = time.monotonic()
             self._wake.notify_all()
-        return True
 
     def _write_loop(self) -> None:
         """The writer thread, until the bridge closes. A bug of its own is logged and counted
@@ -623,8 +628,9 @@ class Layer0Bridge:
             every_slot = False
             while True:
                 try:
-                    if not self._adopted:
-                        self._adopted = self._adopt()
+                    if not self._adopted:  # before the first write: its own writes are not an earlier process's
+                        self._adopt()
+                        self._adopted = True
                     sent = time.time()
                     applied = self.buffer.apply(prepared)
                     took = time.time() - sent
