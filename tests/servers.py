@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -99,3 +101,20 @@ def running(args: Sequence[str] = ()) -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
+
+
+RLS_TIMEOUT_S = 60
+
+
+def rls(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The ``rls`` command line in a subprocess, with none of this environment's ``RLS_``
+    settings (a short ``RLS_RETRY_S`` and a wide terminal instead), plus ``env``."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
+    environment.update({"RLS_RETRY_S": "0.5", "COLUMNS": "200", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "redis_layer_signals", *args],
+        capture_output=True,
+        text=True,
+        timeout=RLS_TIMEOUT_S,
+        env=environment,
+    )

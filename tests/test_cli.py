@@ -13,21 +13,9 @@ from typing import Any
 import pytest
 
 from redis_layer_signals import CacheTask, SignalBuffer
-from tests.servers import RedisServer, free_port, library_functions
+from tests.servers import RedisServer, free_port, library_functions, rls
 
 TIMEOUT_S = 60
-
-
-def rls(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
-    environment.update({"RLS_RETRY_S": "0.5", "COLUMNS": "200", **(env or {})})
-    return subprocess.run(
-        [sys.executable, "-m", "redis_layer_signals", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=environment,
-    )
 
 
 @pytest.fixture

@@ -7,9 +7,6 @@ Each test starts its own server, as it replaces the library that every other tes
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 
@@ -18,10 +15,9 @@ import redis
 
 from redis_layer_signals import AsyncSignalBuffer, CacheTask, LibraryMismatch, SignalBuffer, acl
 from redis_layer_signals.scripts import FILES, _lua_dir, build, library
-from tests.servers import VALKEY, RedisServer, library_functions
+from tests.servers import VALKEY, RedisServer, library_functions, rls
 
 PASSWORD = "s3cret-pw"
-TIMEOUT_S = 60
 
 
 def task(slot: int, request_id: str) -> CacheTask:
@@ -43,17 +39,6 @@ def add_user(admin: redis.Redis, server: RedisServer, rules: list[str]) -> str:
 
 def keyspace(admin: redis.Redis, namespace: str) -> dict[bytes, bytes | None]:
     return {key: admin.dump(key) for key in sorted(admin.scan_iter(match=f"rls:{{{namespace}/*"))}
-
-
-def rls(*args: str) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
-    return subprocess.run(
-        [sys.executable, "-m", "redis_layer_signals", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=environment,
-    )
 
 
 def modified_build() -> str:
