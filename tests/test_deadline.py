@@ -7,6 +7,7 @@ the async buffers. Before the bound, a trickle kept ``record`` 7.5 s with ``retr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -120,10 +121,16 @@ def test_a_trickle_that_ends_in_time_is_still_answered(proxy: Proxy, namespace: 
         buf.close()
 
 
-def paused(server: RedisServer, seconds: float) -> Any:
+@contextlib.contextmanager
+def paused(server: RedisServer, seconds: float) -> Iterator[None]:
+    """``server`` answers nothing (``CLIENT PAUSE``) for at most ``seconds``, or until the block ends."""
     client = server.client()
     client.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
-    return client
+    try:
+        yield
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+        client.close()
 
 
 def test_the_cluster_client_is_bounded_when_the_rank_s_node_stops_answering(
@@ -132,13 +139,11 @@ def test_the_cluster_client_is_bounded_when_the_rank_s_node_stops_answering(
     buf = SignalBuffer.from_url(cluster.url, namespace=namespace, env={}, retry_s=RETRY_S)
     buf.record("p0", 0, 0, [(6, 1)])
     owner = cluster.node_for_key(buf.protocol.keys.rank("p0", 0).pending)
-    admin = paused(owner, 3)
     try:
-        elapsed, error = timed(lambda: buf.record("p0", 0, 0, [(5, 100)]))
+        with paused(owner, 3):
+            elapsed, error = timed(lambda: buf.record("p0", 0, 0, [(5, 100)]))
         assert error is not None and elapsed < BOUND_S, elapsed
     finally:
-        admin.execute_command("CLIENT", "UNPAUSE")
-        admin.close()
         buf.close()
 
 
@@ -147,13 +152,11 @@ def test_the_sentinel_client_is_bounded_when_the_primary_stops_answering(
 ) -> None:
     buf = SignalBuffer.from_url(sentinel_group.url, namespace=namespace, env={}, retry_s=RETRY_S)
     buf.record("p0", 0, 0, [(6, 1)])
-    admin = paused(sentinel_group.current_primary(), 3)
     try:
-        elapsed, error = timed(lambda: buf.record("p0", 0, 0, [(5, 100)]))
+        with paused(sentinel_group.current_primary(), 3):
+            elapsed, error = timed(lambda: buf.record("p0", 0, 0, [(5, 100)]))
         assert error is not None and elapsed < BOUND_S, elapsed
     finally:
-        admin.execute_command("CLIENT", "UNPAUSE")
-        admin.close()
         buf.close()
 
 
