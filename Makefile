@@ -174,6 +174,34 @@ docs: docs-env
 docs-check: docs-env
 	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict --quiet --site-dir site
 
+# `make check`: lint, types, the site and the suite for a contributor without root or pyenv, in
+# the same .venv; CI runs `make test` (.ci/run). It installs nothing with apt-get: the binaries
+# below must be there already (redis-server starts every server of the suite, Sentinel and
+# Cluster included; localedef builds the collation test's locale), and `docs-env` wants npm. It
+# deselects, by marker, the tests that need root or Debian's prometheus package, and runs no other
+# Python and no second Valkey pass; the last lines it prints say so. CHECK_TESTS narrows the run.
+CHECK_BINARIES := redis-server redis-cli redis-sentinel docker-compose openssl localedef
+CHECK_MARKERS := not netns and not prometheus
+CHECK_TESTS ?=
+
+check-servers:
+	@missing=""; \
+	for tool in $(CHECK_BINARIES); do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "make check needs:$$missing (sudo apt-get install redis-server redis-tools redis-sentinel docker-compose openssl libc-bin)" >&2; \
+	  exit 1; \
+	fi
+
+check: check-servers lint typecheck docs-check
+	$(BIN)/pytest -m "$(CHECK_MARKERS)" $(CHECK_TESTS)
+	@echo
+	@echo "make check passed. Left out (make test runs them, as CI does):"
+	@echo "  - the tests marked netns, deselected above: partitions on network namespaces (root, ip, nft)"
+	@echo "  - the tests marked prometheus, deselected above: promtool on deploy/'s rules, prometheus on the compose observability profile"
+	@echo "  - the behaviour suite on Python $(OTHER_PYTHONS) (make pythons, from pyenv)"
+	@echo "  - the topology and fault tests again with Valkey 8.1 as every fixture's server"
+	@echo "  - make servers: the apt-get install as root (valgrind, prometheus, iproute2, nftables, ...)"
+
 bench: $(STAMP) servers
 	$(BIN)/python -m redis_layer_signals bench --out benchmarks/results
 
