@@ -1,12 +1,18 @@
-# Two commands matter: `make demo` and `make test`. Both create the environment they need
-# (`make docs` builds the documentation site into site/, in an environment of its own).
+# What each target needs (docs/development.md has the figures):
+#   make demo    the simulation, in .venv-demo with the base package only (no root, no server)
+#   make dist    wheel and sdist into dist/, checked by twine, in .venv-dist
+#   make check   lint, types, the site and the tests that need neither root nor pyenv, in .venv;
+#                it needs redis-server and the other binaries `check-servers` names; not what CI runs
+#   make test    everything, as CI runs it: root (apt-get, network namespaces), pyenv's 3.10, 3.12
+#                and 3.13; about 20 minutes
+#   make docs    the documentation site into site/, in .venv-docs
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint typecheck pytest pythons servers bench docs docs-check docs-env clean
+.PHONY: demo demo-drop dist check check-servers test lint typecheck pytest pythons servers bench docs docs-check docs-env clean
 
 # The other supported Pythons: `make test` runs the behaviour suite on each (see `pythons`).
 PYENV_ROOT ?= $(HOME)/.pyenv
@@ -41,8 +47,46 @@ servers:
 	  fi; \
 	fi
 
-demo: $(STAMP)
-	$(BIN)/python -m redis_layer_signals simulate
+# The demo needs the base package only (fakeredis with Lua is the embedded server): a venv of its
+# own, not the test environment with paddle.
+DEMO_VENV ?= .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
+DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(DEMO_BIN)/python || $(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_BIN)/python -m pip install -q --upgrade pip
+	$(DEMO_BIN)/python -m pip install -q -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_BIN)/python -m redis_layer_signals simulate
+	@echo "The same run as before the fix, early signals dropped: make demo-drop"
+
+# The run before the fix fails on purpose (requests hang, layers are never sent): its exit status 1
+# is the demonstration, so only another status fails the target.
+demo-drop: $(DEMO_STAMP)
+	@$(DEMO_BIN)/python -m redis_layer_signals simulate --mode drop; status=$$?; \
+	if [ $$status -eq 1 ]; then echo "As expected: without the buffer, early signals are dropped and requests hang (make demo)."; \
+	else exit $$status; fi
+
+# A wheel and an sdist into dist/ (the wheel built from the sdist, as `python -m build` does), each
+# checked with `twine check`; .venv-dist holds build and twine (the `dist` extra) and the package.
+DIST_VENV ?= .venv-dist
+DIST_BIN := $(DIST_VENV)/bin
+DIST_STAMP := $(DIST_VENV)/.installed-stamp
+
+$(DIST_STAMP): pyproject.toml
+	test -x $(DIST_BIN)/python || $(PYTHON) -m venv $(DIST_VENV)
+	$(DIST_BIN)/python -m pip install -q --upgrade pip
+	$(DIST_BIN)/python -m pip install -q -e '.[dist]'
+	touch $(DIST_STAMP)
+
+dist: $(DIST_STAMP)
+	rm -rf dist
+	$(DIST_BIN)/python -m build --outdir dist .
+	$(DIST_BIN)/python -m twine check --strict dist/*
+	@ls -1 dist
 
 lint: $(STAMP)
 	$(BIN)/ruff check redis_layer_signals tests benchmarks docs
@@ -130,8 +174,36 @@ docs: docs-env
 docs-check: docs-env
 	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict --quiet --site-dir site
 
+# `make check`: lint, types, the site and the suite for a contributor without root or pyenv, in
+# the same .venv; CI runs `make test` (.ci/run). It installs nothing with apt-get: the binaries
+# below must be there already (redis-server starts every server of the suite, Sentinel and
+# Cluster included; localedef builds the collation test's locale), and `docs-env` wants npm. It
+# deselects, by marker, the tests that need root or Debian's prometheus package, and runs no other
+# Python and no second Valkey pass; the last lines it prints say so. CHECK_TESTS narrows the run.
+CHECK_BINARIES := redis-server redis-cli redis-sentinel docker-compose openssl localedef
+CHECK_MARKERS := not netns and not prometheus
+CHECK_TESTS ?=
+
+check-servers:
+	@missing=""; \
+	for tool in $(CHECK_BINARIES); do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "make check needs:$$missing (sudo apt-get install redis-server redis-tools redis-sentinel docker-compose openssl libc-bin)" >&2; \
+	  exit 1; \
+	fi
+
+check: check-servers lint typecheck docs-check
+	$(BIN)/pytest -m "$(CHECK_MARKERS)" $(CHECK_TESTS)
+	@echo
+	@echo "make check passed. Left out (make test runs them, as CI does):"
+	@echo "  - the tests marked netns, deselected above: partitions on network namespaces (root, ip, nft)"
+	@echo "  - the tests marked prometheus, deselected above: promtool on deploy/'s rules, prometheus on the compose observability profile"
+	@echo "  - the behaviour suite on Python $(OTHER_PYTHONS) (make pythons, from pyenv)"
+	@echo "  - the topology and fault tests again with Valkey 8.1 as every fixture's server"
+	@echo "  - make servers: the apt-get install as root (valgrind, prometheus, iproute2, nftables, ...)"
+
 bench: $(STAMP) servers
 	$(BIN)/python -m redis_layer_signals bench --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) $(DOCS_VENV) $(DOCS_NODE) $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DEMO_VENV) $(DIST_VENV) $(DOCS_VENV) $(DOCS_NODE) $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -288,6 +288,7 @@ def test_sentinel_profile_runs_the_group_and_every_node_passes(
         assert int(on_primary.hget("rls:{cluster/p0/0}:stats", "registered") or 0) > 0
 
 
+@pytest.mark.prometheus
 def test_observability_profile_exporter_and_prometheus_run_as_the_file_starts_them(
     compose: dict[str, Any], local: LocalServices, addresses: Addresses, servers: list[RedisServer]
 ) -> None:

@@ -156,6 +156,7 @@ def test_dashboard_panels_use_the_datasource_variable_and_unique_ids() -> None:
                 assert used <= variables, (panel["title"], used)
 
 
+@pytest.mark.prometheus
 def test_promtool_accepts_the_rules_and_the_prometheus_config() -> None:
     promtool = require_binary("promtool")
     for args in (

@@ -106,17 +106,31 @@ def test_example_runs_on_a_real_server(example: Example, redis_server: RedisServ
     assert done.returncode == 0, f"{example.name}\n{example.code}\n{done.stderr}"
 
 
-def test_readme_is_a_few_screens_that_start_with_pip_install_then_the_two_commands_for_a_clone() -> None:
+def test_readme_is_a_few_screens_that_start_with_an_install_that_works_then_the_commands_for_a_clone() -> None:
     text = README.read_text()
     assert len(text.encode()) <= README_MAX_BYTES, len(text.encode())
-    parts = ("pip install redis-layer-signals", "<!-- example: run -->", "## From a clone")
+    # Nothing is released: the first install lines work from a clone; the registry's comes after.
+    parts = ("pip install .", "pip install '.[fastdeploy]'", "make dist", "<!-- example: run -->", "## From a clone")
     order = [text.index(part) for part in parts]
     assert order == sorted(order), order
+    install = " ".join(text[: text.index("<!-- example: run -->")].split())
+    assert "After the first release: `pip install redis-layer-signals`" in install
     quick_start = text.split("## From a clone", 1)[1].split("##", 1)[0]
     commands = [line.split("#")[0].strip() for line in quick_start.splitlines() if line.startswith("make ")]
-    assert commands == ["make demo", "make test"]
-    for needed in ("pip install redis-layer-signals", "Redis 7.0", "Valkey 7.2", "## Guarantees", "```mermaid"):
+    assert commands == ["make demo", "make check", "make test", "make dist"]
+    for needed in ("root", "pyenv", "20 minutes", "prints at the end what it left out"):
+        assert needed in " ".join(quick_start.split()), needed
+    for needed in ("Redis 7.0", "Valkey 7.2", "## Guarantees", "```mermaid"):
         assert needed in text, needed
+
+
+def test_home_page_installs_from_a_clone_first_and_from_the_registry_after_the_first_release() -> None:
+    text = (DOCS / "index.md").read_text()
+    first_block = text.split("```bash", 1)[1].split("```", 1)[0]
+    assert "pip install .  " in first_block and "pip install '.[fastdeploy]'" in first_block
+    install = " ".join(text[: text.index("<!-- example: run -->")].split())
+    assert "After the first release: `pip install redis-layer-signals`" in install
+    assert "make dist" in install
 
 
 @pytest.mark.parametrize("page", [README, *sorted(DOCS.rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT)))

@@ -13,6 +13,8 @@ import pytest
 
 from tests.netns import Hosts, namespaces
 
+pytestmark = pytest.mark.netns  # make check deselects it: network namespaces need root
+
 PORT = 7000
 
 

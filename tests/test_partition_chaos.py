@@ -14,6 +14,7 @@ from redis_layer_signals.simulate.chaos import run_with_chaos
 from redis_layer_signals.simulate.hosts import namespaces
 
 
+@pytest.mark.netns
 @pytest.mark.timeout(150)
 def test_simulate_chaos_partitions_of_its_own_redis_host_lose_nothing() -> None:
     config = SimConfig(namespace=f"cut-{uuid.uuid4().hex[:6]}", requests=60, instances=1, ranks=2, seed=3)

@@ -25,6 +25,8 @@ from tests.netns import Hosts
 from tests.partition_clients import call_bound_s, check_on, collect, figures_of, start_workers
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.netns  # make check deselects it: network namespaces need root
+
 RETRY_S = 2.0
 NODE_TIMEOUT_MS = 1000
 CALL_BOUND_S = call_bound_s(RETRY_S)

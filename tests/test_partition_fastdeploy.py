@@ -21,6 +21,8 @@ from redis_layer_signals.fastdeploy.reference import ReferenceMessager
 from redis_layer_signals.fastdeploy.workload import Outcome, run
 from tests.netns import HostedRedis, Hosts
 
+pytestmark = pytest.mark.netns  # make check deselects it: network namespaces need root
+
 RETRY_S = 1.0
 CUT_S = 3.0
 SLOW_S = 3.0

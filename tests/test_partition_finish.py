@@ -11,6 +11,8 @@ import pytest
 from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, OwedFinishesFull, SignalBuffer
 from tests.netns import HostedRedis, Hosts
 
+pytestmark = pytest.mark.netns  # make check deselects it: network namespaces need root
+
 RETRY_S = 1.0
 
 

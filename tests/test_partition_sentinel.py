@@ -25,6 +25,8 @@ from tests.netns import Hosts
 from tests.partition_clients import call_bound_s, check_on, collect, figures_of, start_workers
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.netns  # make check deselects it: network namespaces need root
+
 RETRY_S = 2.0
 SERVER_HOSTS = ["h1", "h2", "h3"]  # h1: the first primary; a sentinel beside each server
 OLD_SIDE = ["h1", "h4"]
