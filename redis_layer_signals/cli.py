@@ -5,6 +5,7 @@ exit non-zero; a traceback would only hide which URL or argument was wrong."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -769,6 +770,7 @@ def _write_whole(path: Path, data: bytes, mode_of: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``rls``: runs a command, turning every expected failure into one line and an exit code."""
     command = typer.main.get_command(app)
+    _say_warnings()
     try:
         code: Any = command.main(args=argv, prog_name="rls", standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):
@@ -781,6 +783,19 @@ def main(argv: list[str] | None = None) -> None:
     except (SignalBufferError, RedisError, ValueError, OSError, ModuleNotFoundError) as exc:  # an extra missing
         _fail(error_message(exc), EXIT_FAILED)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _say_warnings() -> None:
+    """The library's warnings (an evicting server, a setting that can lose writes) on stderr as
+    one line each, as errors are: ``rls: warning: Redis 10.0.0.5:6379 has appendonly no: ...``.
+    A process that configured logging itself keeps its own handlers."""
+    library = logging.getLogger("redis_layer_signals")
+    if library.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("rls: warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    library.addHandler(handler)
 
 
 def error_message(exc: BaseException) -> str:

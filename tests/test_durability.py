@@ -267,3 +267,16 @@ def test_each_warning_names_what_is_lost_and_the_setting_that_prevents_it() -> N
         text = warning("10.0.0.5:6379", setting, value)
         assert text.startswith("Redis 10.0.0.5:6379 ") and fix in text
         assert "loses" in text or "lack" in text
+
+
+def test_rls_says_a_risky_setting_once_as_a_warning_line(no_aof: RedisServer) -> None:
+    from tests.servers import rls
+
+    ns = namespace()
+    with SignalBuffer.from_url(no_aof.url, namespace=ns, env={}) as buffer:
+        buffer.record("p0", 0, 0, [(1, 10)])
+    done = rls("stats", "--redis", no_aof.url, "--namespace", ns)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [line for line in lines if line.startswith("rls: warning: ")], done.stderr
+    assert len([line for line in lines if "appendonly no" in line]) == 1, done.stderr
