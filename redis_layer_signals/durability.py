@@ -71,6 +71,7 @@ _warned_lock = threading.Lock()
 
 
 def topology(client: Any) -> str:
+    """Which settings apply: a Cluster client, a Sentinel-managed one, or one server."""
     if is_cluster(client):
         return CLUSTER
     if getattr(getattr(client, "connection_pool", None), "service_name", None) is not None:
@@ -107,8 +108,8 @@ def conclude(kind: str, wait_replicas: int, config: Mapping[str, str], info: Any
     if kind == SENTINEL:
         settings[MIN_REPLICAS] = _min_replicas(config, info)
     if kind == CLUSTER:
-        replicas = None if info is None else info.get("connected_slaves")
-        if wait_replicas > 0 or (replicas is not None and int(replicas) > 0):
+        replicas = None if info is None else _count(info.get("connected_slaves"))
+        if wait_replicas > 0 or (replicas is not None and replicas > 0):
             settings[WAIT_REPLICAS] = str(wait_replicas)
         elif replicas is None:
             settings[WAIT_REPLICAS] = UNKNOWN
@@ -116,10 +117,20 @@ def conclude(kind: str, wait_replicas: int, config: Mapping[str, str], info: Any
     return settings
 
 
+def _count(value: Any) -> int | None:
+    """An INFO field as a number, or None: a reply this code does not understand is no reason
+    to fail the call that read it."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _appendonly_of_info(info: Mapping[str, Any] | None) -> str:
-    if info is None or "aof_enabled" not in info:
+    enabled = None if info is None else _count(info.get("aof_enabled"))
+    if enabled is None:
         return UNKNOWN
-    return "yes" if int(info["aof_enabled"]) else "no"
+    return "yes" if enabled else "no"
 
 
 def _min_replicas(config: Mapping[str, str], info: Mapping[str, Any] | None) -> str:

@@ -280,3 +280,11 @@ def test_rls_says_a_risky_setting_once_as_a_warning_line(no_aof: RedisServer) ->
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == [line for line in lines if line.startswith("rls: warning: ")], done.stderr
     assert len([line for line in lines if "appendonly no" in line]) == 1, done.stderr
+
+
+def test_a_reply_not_understood_is_unknown_never_an_error() -> None:
+    assert conclude("cluster", 0, {}, {"aof_enabled": "?", "connected_slaves": None}) == {
+        APPENDONLY: UNKNOWN,
+        WAIT_REPLICAS: UNKNOWN,
+    }
+    assert conclude("single", 0, {}, "not a mapping") == {APPENDONLY: UNKNOWN}
