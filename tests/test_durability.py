@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from redis_layer_signals import AsyncSignalBuffer, SignalBuffer, acl
+from redis_layer_signals import AsyncSignalBuffer, SignalBuffer, acl, durability
 from redis_layer_signals.durability import (
     APPENDONLY,
     AT_LEAST_ONE,
@@ -41,6 +41,13 @@ def namespace() -> str:
 def warnings_naming(caplog: pytest.LogCaptureFixture, server: str, setting: str) -> list[str]:
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
     return [m for m in messages if server in m and setting in m]
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test counts its warnings as a new process would: "once per process" would otherwise
+    hide a warning that another test, on the same session-wide Sentinel or Cluster, gave first."""
+    monkeypatch.setattr(durability, "_warned", set())
 
 
 @pytest.fixture
