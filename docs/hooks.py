@@ -78,6 +78,8 @@ def _references(group: Any, context: Any, prefix: str) -> list[str]:
 
 
 def command_reference(name: str, command: Any, context: Any) -> str:
+    from redis_layer_signals.cli_help import describe  # what `rls --help` says, range included
+
     lines = [f"## `rls {name}`", "", (command.help or "").strip(), "", "```text", command.get_usage(context), "```", ""]
     options = [p for p in command.params if p.param_type_name == "option" and not p.hidden]
     if options:
@@ -88,7 +90,7 @@ def command_reference(name: str, command: Any, context: Any) -> str:
                     names=", ".join(f"`{o}`" for o in [*option.opts, *option.secondary_opts]),
                     default=_default(option),
                     env=f"`{option.envvar}`" if isinstance(option.envvar, str) else "",
-                    help=_cell((option.help or "") + _range(option)),
+                    help=_cell(describe(option) + _choices(option)),
                 )
             )
         lines.append("")
@@ -106,18 +108,11 @@ def _default(option: Any) -> str:
     return f"`{getattr(default, 'value', default)}`"
 
 
-def _range(option: Any) -> str:
-    """The values an option takes, from the annotation typer read (an enum) or its min/max."""
+def _choices(option: Any) -> str:
+    """The values of an option typer read from an enum; its numeric range is in ``describe``."""
     annotation = getattr(getattr(option, "type_descriptor", None), "annotation", None)
     if isinstance(annotation, type) and issubclass(annotation, Enum):
         return " One of: " + ", ".join(f"`{member.value}`" for member in annotation) + "."
-    low, high = getattr(option, "min", None), getattr(option, "max", None)
-    if low is not None and high is not None:
-        return f" From `{low}` to `{high}`."
-    if low is not None:
-        return f" At least `{low}`."
-    if high is not None:
-        return f" At most `{high}`."
     return ""
 
 

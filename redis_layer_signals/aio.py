@@ -10,10 +10,11 @@ from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, ResponseError, SlotNotCoveredError
 
-from . import connection, eviction, replication, wire
+from . import connection, durability, eviction, replication, wire
 from .base import BufferBase
 from .counters import sum_stats
 from .deadline import async_timeout, call_deadline
+from .durability import ServerPolicies
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
@@ -122,17 +123,26 @@ class AsyncSignalBuffer(BufferBase):
         keys = await self._retrying("stats", partial(self._scan, self.protocol.keys.pattern("stats")), "scan")
         return sum_stats([await self._retrying("stats", partial(self.client.hgetall, key), "hgetall") for key in keys])
 
-    async def server_policies(self) -> dict[str, str]:
-        """Each server's ``maxmemory-policy``, read now (see SignalBuffer.server_policies)."""
+    async def server_policies(self) -> ServerPolicies:
+        """Each server's ``maxmemory-policy`` and durability settings, read now (see
+        SignalBuffer.server_policies)."""
         self.policies = await self._retrying("policy", partial(eviction.async_server_policies, self.client))
         eviction.judge(self.policies, eviction.WARN)
-        return dict(self.policies)
+        read = partial(durability.async_server_settings, self.client, self.config.wait_replicas)
+        self.durability = await self._retrying("durability", read)
+        durability.judge(self.durability)
+        return ServerPolicies(self.policies, self.durability)
 
     async def _check_server(self, key: str) -> None:
-        """Read the eviction policy before the first write (see SignalBuffer._check_server)."""
+        """Read the eviction policy and durability settings before the first write (see
+        SignalBuffer._check_server)."""
         found = await eviction.async_server_policies(self.client, key if self.policies else None)
         self.policies = {**self.policies, **found}
         eviction.judge(found, self.config.eviction)
+        wait_replicas = self.config.wait_replicas
+        settings = await durability.async_server_settings(self.client, wait_replicas, key if self.durability else None)
+        self.durability = {**self.durability, **settings}
+        durability.judge(settings)
         self._server_unchecked = False
 
     async def close(self) -> None:

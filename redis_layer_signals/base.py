@@ -109,6 +109,9 @@ class BufferBase:
         (a reconnect may reach another node): the only eviction cost a call pays is this test."""
         self.policies: dict[str, str] = {}
         """Each server's maxmemory-policy as last read (see ``eviction``)."""
+        self.durability: dict[str, dict[str, str]] = {}
+        """Each server's settings that decide what a restart or failover loses, as last read
+        with the policy (see ``durability``)."""
         self.owed = OwedFinishes(limit=self.config.max_slots)
         """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
         self._allowed: set[str] = set()

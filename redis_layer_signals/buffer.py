@@ -10,9 +10,10 @@ from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
 
-from . import connection, deadline, eviction, replication, routing, wire
+from . import connection, deadline, durability, eviction, replication, routing, wire
 from .base import BufferBase
 from .counters import sum_stats
+from .durability import ServerPolicies
 from .errors import BufferUnavailable, ServerOutOfMemory
 from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
@@ -160,21 +161,30 @@ class SignalBuffer(BufferBase):
         keys = self._retrying("stats", lambda: list(self.client.scan_iter(match=pattern, count=1000)), "scan")
         return sum_stats([self._retrying("stats", partial(self.client.hgetall, key), "hgetall") for key in keys])
 
-    def server_policies(self) -> dict[str, str]:
+    def server_policies(self) -> ServerPolicies:
         """Each server's ``maxmemory-policy`` (every primary of a Cluster), read now; anything
-        but ``noeviction`` is warned about once per process and server (see ``eviction``)."""
+        but ``noeviction`` is warned about once per process and server (see ``eviction``).
+        Its ``durability`` holds each server's settings that decide what a restart or a
+        failover loses, warned about the same way (see ``durability``)."""
         self.policies = self._retrying("policy", partial(eviction.server_policies, self.client))
         eviction.judge(self.policies, eviction.WARN)
-        return dict(self.policies)
+        wait_replicas = self.config.wait_replicas
+        self.durability = self._retrying("durability", partial(durability.server_settings, self.client, wait_replicas))
+        durability.judge(self.durability)
+        return ServerPolicies(self.policies, self.durability)
 
     def _check_server(self, key: str) -> None:
-        """Read the servers' eviction policy before the first write (and after a reconnect):
-        warn, or refuse in ``refuse`` mode (checked again on the next call, so fixing the
-        server's setting is enough). Connection errors go to the call's retry loop. The first
-        check reads every primary of a Cluster, a recheck only the node of ``key``."""
+        """Read the servers' eviction policy and durability settings before the first write (and
+        after a reconnect): warn, or refuse an evicting server in ``refuse`` mode (checked again
+        on the next call, so fixing the server's setting is enough). Connection errors go to the
+        call's retry loop. The first check reads every primary of a Cluster, a recheck only the
+        node of ``key``."""
         found = eviction.server_policies(self.client, key if self.policies else None)
         self.policies = {**self.policies, **found}
         eviction.judge(found, self.config.eviction)
+        settings = durability.server_settings(self.client, self.config.wait_replicas, key if self.durability else None)
+        self.durability = {**self.durability, **settings}
+        durability.judge(settings)
         self._server_unchecked = False
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ exit non-zero; a traceback would only hide which URL or argument was wrong."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,8 +26,9 @@ from rich.table import Table
 
 from . import __version__, admin, eviction
 from .buffer import SignalBuffer
+from .cli_help import HelpTyper
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
-from .errors import SignalBufferError
+from .errors import BufferUnavailable, SignalBufferError
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
 from .simulate.chaos import foreign_faults, run_with_chaos
 from .simulate.report import clip, table
@@ -40,7 +44,7 @@ EXIT_EMPTY = 3
 _PARSER_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 """The base of the argument parser's own errors (typer ships its parser privately)."""
 
-app = typer.Typer(
+app = HelpTyper(
     name="rls",
     help="Early layer signals buffered in Redis for PD-disaggregated serving: simulate, inspect, operate.",
     add_completion=False,
@@ -67,10 +71,21 @@ def _root(
 
 
 RedisUrl = Annotated[
-    str, typer.Option("--redis", envvar="RLS_REDIS_URL", help="memory://, redis://, rediss://, unix://, ...")
+    str,
+    typer.Option(
+        "--redis",
+        envvar="RLS_REDIS_URL",
+        metavar="url",
+        help="The server: memory:// (one in this process), redis://, rediss://, unix://, redis+sentinel://, "
+        "redis+cluster://.",
+    ),
 ]
-Namespace = Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="Namespace of the keys.")]
-JsonPath = Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON to this file.")]
+Namespace = Annotated[
+    str, typer.Option("--namespace", envvar="RLS_NAMESPACE", metavar="name", help="Namespace of the keys.")
+]
+JsonPath = Annotated[
+    Path | None, typer.Option("--json", metavar="file", help="Also write the figures as JSON to this file.")
+]
 # The operator commands have no default server: memory:// would be a fresh, empty one in this
 # process, whose zeros look like a healthy idle namespace.
 OperatorUrl = Annotated[
@@ -79,7 +94,8 @@ OperatorUrl = Annotated[
         "--redis",
         envvar="RLS_REDIS_URL",
         show_default=False,
-        help="The server to operate on (required): redis://, rediss://, redis+cluster://, ...",
+        metavar="url",
+        help="The server to operate on, required: redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://.",
     ),
 ]
 
@@ -87,13 +103,18 @@ OperatorUrl = Annotated[
 SimMode = Annotated[Mode, typer.Option(help="redis: this library; drop: before the fix; local: a per-process dict.")]
 Ranks = Annotated[int, typer.Option(min=1, help="Ranks per instance.")]
 Requests = Annotated[int, typer.Option(min=1, help="Requests per rank of each instance.")]
-Layers = Annotated[int, typer.Option(min=1)]
-ChunkTokens = Annotated[int, typer.Option(min=1)]
+Layers = Annotated[int, typer.Option(min=1, help="Layers per request (the model's depth).")]
+ChunkTokens = Annotated[
+    int, typer.Option(min=1, help="Tokens per prefill chunk: a longer prompt is prefilled in chunks.")
+]
 Batch = Annotated[int, typer.Option(min=1, max=512, help="Engine slots per rank.")]
 EarlyShare = Annotated[float, typer.Option(min=0.0, max=1.0, help="Tasks registered after layer 0.")]
 AbortShare = Annotated[float, typer.Option(min=0.0, max=1.0, help="Requests aborted unregistered.")]
-HangTimeout = Annotated[float, typer.Option(min=0.0, help="After prefill, a request is hung.")]
-Timeout = Annotated[float, typer.Option(min=0.0, help="Bound of the whole run.")]
+HangTimeout = Annotated[
+    float, typer.Option(min=0.0, help="Seconds after its prefill ended by which a request must have every layer sent.")
+]
+Timeout = Annotated[float, typer.Option(min=0.0, help="Seconds the whole run may take.")]
+Seed = Annotated[int, typer.Option(help="Seed of the random workload: the same seed runs the same requests.")]
 
 
 def _buffer(url: str, namespace: str) -> SignalBuffer:
@@ -142,36 +163,40 @@ def simulate_command(
     requests: Requests = SimConfig.requests,
     layers: Layers = SimConfig.layers,
     chunk_tokens: ChunkTokens = SimConfig.chunk_tokens,
-    max_prompt_tokens: Annotated[int, typer.Option(min=1)] = SimConfig.max_prompt_tokens,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(min=1, help="Longest prompt, in tokens: each request's length is drawn up to it.")
+    ] = SimConfig.max_prompt_tokens,
     batch: Batch = SimConfig.batch,
     early_share: EarlyShare = SimConfig.early_share,
     abort_share: AbortShare = SimConfig.abort_share,
-    max_delay_ms: Annotated[float, typer.Option(min=0.0, help="Longest delay of an early task.")] = (
-        SimConfig.max_delay_ms
-    ),
+    max_delay_ms: Annotated[
+        float, typer.Option(min=0.0, help="Longest delay, in ms, of a task registered after layer 0.")
+    ] = (SimConfig.max_delay_ms),
     hang_timeout_s: HangTimeout = SimConfig.hang_timeout_s,
     timeout_s: Timeout = SimConfig.timeout_s,
-    seed: int = SimConfig.seed,
+    seed: Seed = SimConfig.seed,
     json_path: JsonPath = None,
     chaos: Annotated[
         bool, typer.Option(help="Restart (memory://: an own AOF Redis) or fail over the buffer's Redis mid-run.")
     ] = False,
     chaos_interval_s: Annotated[float, typer.Option(min=0.05, help="Mean seconds between --chaos faults.")] = 1.0,
-    chaos_fsync: Annotated[str, typer.Option(help="appendfsync of the --chaos Redis: always, everysec, off.")] = (
-        "always"
-    ),
+    chaos_fsync: Annotated[
+        str, typer.Option(metavar="policy", help="appendfsync of the Redis --chaos starts: always, everysec or off.")
+    ] = ("always"),
     chaos_fault: Annotated[
         str,
         typer.Option(
-            help="auto: the topology's fault; partition: cut the run's own Redis host off "
-            "(memory:// only, as root: network namespaces)."
+            metavar="fault",
+            help="The --chaos fault. auto: the topology's own (restart, failover); partition: cut the run's own "
+            "Redis host off (memory:// only, as root: network namespaces).",
         ),
     ] = "auto",
     chaos_outage: Annotated[
         str | None,
         typer.Option(
-            help="Instead: an outage of an own Redis under the FastDeploy reference messager, "
-            "restarted empty, from its aof, or never (needs the paddle extra)."
+            metavar="restart",
+            help="Instead: an outage of a Redis of the run's own under the FastDeploy reference messager, "
+            "restarted empty, from its AOF, or never (needs the paddle extra).",
         ),
     ] = None,
     chaos_down_s: Annotated[float, typer.Option(min=0.1, help="How long a --chaos-outage lasts.")] = 2.0,
@@ -314,7 +339,7 @@ def _progress() -> Progress:
 
 @app.command("node")
 def node_command(
-    instance: Annotated[str, typer.Option(help="This prefill instance's name.")],
+    instance: Annotated[str, typer.Option(metavar="name", help="This prefill instance's name.")],
     redis: RedisUrl = DEFAULT_URL,
     namespace: Namespace = DEFAULT_NAMESPACE,
     mode: SimMode = SimConfig.mode,
@@ -327,7 +352,7 @@ def node_command(
     abort_share: AbortShare = SimConfig.abort_share,
     hang_timeout_s: HangTimeout = SimConfig.hang_timeout_s,
     timeout_s: Timeout = SimConfig.timeout_s,
-    seed: int = SimConfig.seed,
+    seed: Seed = SimConfig.seed,
     json_path: JsonPath = None,
 ) -> None:
     """One simulated prefill node (its ranks) on a shared Redis; needs `rls registrar` running."""
@@ -359,7 +384,9 @@ def registrar_command(
     redis: RedisUrl = DEFAULT_URL,
     namespace: Namespace = DEFAULT_NAMESPACE,
     mode: SimMode = SimConfig.mode,
-    idle_exit_s: Annotated[float, typer.Option(min=0.0, help="Exit after this long without tasks (0: never).")] = 0.0,
+    idle_exit_s: Annotated[
+        float, typer.Option(min=0.0, help="Exit after this many seconds without tasks, 0 for never.")
+    ] = 0.0,
 ) -> None:
     """The registrar of simulated nodes: registers their cache tasks on the shared Redis."""
     report = run_registrar(SimConfig(url=redis, namespace=namespace, mode=mode), idle_exit_s)
@@ -373,7 +400,7 @@ def registrar_command(
 def inspect_command(
     redis: OperatorUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
-    instance: Annotated[str | None, typer.Option(help="Only this instance.")] = None,
+    instance: Annotated[str | None, typer.Option(metavar="name", help="Only this instance.")] = None,
     rank: Annotated[int | None, typer.Option(min=0, help="Only this rank.")] = None,
     slot: Annotated[int | None, typer.Option(min=0, help="Only this slot.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
@@ -424,7 +451,7 @@ def stats_command(
     namespace: Namespace = DEFAULT_NAMESPACE,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until interrupted.")] = False,
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between refreshes.")] = 1.0,
-    count: Annotated[int, typer.Option(min=0, help="With --watch: stop after this many refreshes (0: never).")] = 0,
+    count: Annotated[int, typer.Option(min=0, help="With --watch: stop after this many refreshes, 0 for never.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """The namespace's counters, summed over its ranks (expired signals swept first; exit 3: the
@@ -469,7 +496,9 @@ def _stats_table(namespace: str, counters: dict[str, int], policies: dict[str, s
 
 @app.command("purge")
 def purge_command(
-    namespace: Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="The namespace to remove.")],
+    namespace: Annotated[
+        str, typer.Option("--namespace", envvar="RLS_NAMESPACE", metavar="name", help="The namespace to remove.")
+    ],
     redis: OperatorUrl = None,
     yes: Annotated[bool, typer.Option("--yes", help="Really delete.")] = False,
 ) -> None:
@@ -493,8 +522,10 @@ def metrics_command(
     redis: OperatorUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     port: Annotated[int, typer.Option(min=0, max=65535, help="HTTP port of /metrics.")] = 9108,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
-    duration_s: Annotated[float, typer.Option(min=0.0, help="Stop after this long (0: run until interrupted).")] = 0.0,
+    host: Annotated[str, typer.Option(metavar="address", help="Address to listen on.")] = "0.0.0.0",
+    duration_s: Annotated[
+        float, typer.Option(min=0.0, help="Stop after this many seconds, 0 to run until interrupted.")
+    ] = 0.0,
 ) -> None:
     """Serve the namespace's counters and latency histograms in the Prometheus text format."""
     from .metrics import BufferMetrics
@@ -519,7 +550,7 @@ def metrics_command(
 
 # -- library (the rls_v2 Functions library on the server) -------------------------------------
 
-library_app = typer.Typer(
+library_app = HelpTyper(
     help="The rls_v2 Functions library on the server: load it once (as the operator), check it.",
     no_args_is_help=True,
 )
@@ -589,18 +620,31 @@ def library_status_command(redis: OperatorUrl = None) -> None:
 def bench_command(
     redis: Annotated[
         str | None,
-        typer.Option("--redis", help="Benchmark this server instead of starting one (no env fallback)."),
+        typer.Option(
+            "--redis", metavar="url", help="Benchmark this server instead of starting one (RLS_REDIS_URL is not read)."
+        ),
     ] = None,
     server: Annotated[
         str,
-        typer.Option(help="Server binary started when --redis is not given: a path, a name on PATH, or 'valkey'."),
+        typer.Option(
+            metavar="binary",
+            help="Server binary started when --redis is not given: a path, a name on PATH, or 'valkey'.",
+        ),
     ] = "redis-server",
-    sizes: Annotated[str, typer.Option(help="Entries per record call, comma-separated.")] = "1,32,512",
-    pending: Annotated[str, typer.Option(help="Pending layers before register, comma-separated.")] = "0,1,8,61",
+    sizes: Annotated[str, typer.Option(metavar="list", help="Entries per record call, comma-separated.")] = "1,32,512",
+    pending: Annotated[
+        str, typer.Option(metavar="list", help="Pending layers before register, comma-separated.")
+    ] = "0,1,8,61",
     layers: Annotated[
-        str, typer.Option(help="Pending layers per slot under record (the record-onto-pending cases).")
+        str,
+        typer.Option(
+            metavar="list",
+            help="Pending layers per slot under record (the record-onto-pending cases), comma-separated.",
+        ),
     ] = "1,8,61",
-    layer_sizes: Annotated[str, typer.Option(help="Entries per record call onto pending layers.")] = "32,512",
+    layer_sizes: Annotated[
+        str, typer.Option(metavar="list", help="Entries per record call onto pending layers, comma-separated.")
+    ] = "32,512",
     iterations: Annotated[int, typer.Option(min=1, help="Timed calls per case.")] = 2000,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed calls first.")] = 200,
     processes: Annotated[int, typer.Option(min=1, help="Contending processes.")] = 4,
@@ -609,7 +653,8 @@ def bench_command(
         Path | None,
         typer.Option(
             show_default=False,
-            help="Directory for results.md, results.json and the plots (default: a new rls-bench-<time>).",
+            metavar="dir",
+            help="Directory for results.md, results.json and the plots; by default a new rls-bench-<time>.",
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of markdown.")] = False,
@@ -652,7 +697,7 @@ def bench_command(
 
 # -- fastdeploy (the integration applied to FastDeploy's file; logic in .fastdeploy.patch) ------
 
-fastdeploy_app = typer.Typer(help="FastDeploy's cache messager, integrated.", no_args_is_help=True)
+fastdeploy_app = HelpTyper(help="FastDeploy's cache messager, integrated.", no_args_is_help=True)
 app.add_typer(fastdeploy_app, name="fastdeploy")
 EXIT_STRUCTURE = 2
 """``fastdeploy patch``: the file is not the release the codemod knows; nothing was written."""
@@ -725,15 +770,46 @@ def _write_whole(path: Path, data: bytes, mode_of: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``rls``: runs a command, turning every expected failure into one line and an exit code."""
     command = typer.main.get_command(app)
+    _say_warnings()
     try:
         code: Any = command.main(args=argv, prog_name="rls", standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):
         _fail("interrupted", 130)
     except _PARSER_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `rls`, `rls library`: the help, as --help prints it
+            print(getattr(exc, "format_message", exc.__str__)())
+            sys.exit(EXIT_USAGE)
         _fail(getattr(exc, "format_message", exc.__str__)(), int(getattr(exc, "exit_code", EXIT_USAGE)))
     except (SignalBufferError, RedisError, ValueError, OSError, ModuleNotFoundError) as exc:  # an extra missing
-        _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+        _fail(error_message(exc), EXIT_FAILED)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _say_warnings() -> None:
+    """The library's warnings (an evicting server, a setting that can lose writes) on stderr as
+    one line each, as errors are: ``rls: warning: Redis 10.0.0.5:6379 has appendonly no: ...``.
+    A process that configured logging itself keeps its own handlers."""
+    library = logging.getLogger("redis_layer_signals")
+    if library.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("rls: warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    library.addHandler(handler)
+
+
+def error_message(exc: BaseException) -> str:
+    """What went wrong, in the words a user acts on: no exception class, no name of the library's
+    internal step (``BufferUnavailable: time: ...`` said which read gave up, not what to fix)."""
+    if isinstance(exc, BufferUnavailable):
+        return f"Redis unavailable (retried for {exc.retry_s:g}s): {exc.__cause__ or exc}"
+    if isinstance(exc, AuthenticationError):
+        return f"Redis refused the login: {exc}"
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return f"Redis unavailable: {exc}"
+    if isinstance(exc, ResponseError):
+        return f"Redis answered with an error: {exc}"
+    return str(exc) or type(exc).__name__
 
 
 def _fail(message: str, code: int) -> NoReturn:

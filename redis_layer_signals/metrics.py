@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest, sta
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import eviction
+from . import durability, eviction
 from .buffer import SignalBuffer
 from .counters import COUNTERS
 from .replies import text
@@ -216,6 +216,7 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
             labels=["namespace"],
         )
         servers: dict[str, tuple[str, float | None]] = {}
+        settings: dict[str, dict[str, str]] = {}
         for buffer in buffers:
             namespace = buffer.config.namespace
             owed.add_metric([namespace], buffer.owed.count())  # this process's, read without Redis
@@ -231,6 +232,8 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
             up.add_metric([namespace], 1)
             with contextlib.suppress(Exception):  # best effort: the counters are exported anyway
                 servers.update(eviction.server_figures(buffer.client))
+            with contextlib.suppress(Exception):
+                settings.update(durability.server_settings(buffer.client, buffer.config.wait_replicas))
             for (instance, rank), (counters, pending) in ranks.items():
                 mismatch.add_metric([namespace, instance, str(rank)], unaccounted(counters, pending))
                 for field, value in counters.items():
@@ -250,6 +253,7 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
         yield from families.values()
         yield mismatch
         yield from server_families(servers)
+        yield durability_family(settings)
 
 
 def server_families(servers: dict[str, tuple[str, float | None]]) -> Iterator[Metric]:
@@ -270,3 +274,20 @@ def server_families(servers: dict[str, tuple[str, float | None]]) -> Iterator[Me
             evicted.add_metric([server], keys)
     yield evicting
     yield evicted
+
+
+def durability_family(settings: dict[str, dict[str, str]]) -> Metric:
+    """Per server and setting: 1 when acknowledged writes can be lost (``appendonly no``, a
+    Sentinel primary's ``min-replicas-to-write 0``, ``wait_replicas=0`` on a Cluster primary with
+    replicas), 0 when not; a setting that could not be read is left out."""
+    risk = GaugeMetricFamily(
+        f"{METRIC_PREFIX}_server_durability_risk",
+        "1 when a server setting lets a restart or failover lose acknowledged writes (see the setting label)",
+        labels=["server", "setting"],
+    )
+    for server, found in sorted(settings.items()):
+        risky = durability.at_risk(found)
+        for setting, value in sorted(found.items()):
+            if value != durability.UNKNOWN:
+                risk.add_metric([server, setting], 1 if setting in risky else 0)
+    return risk

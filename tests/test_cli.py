@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 
 from redis_layer_signals import CacheTask, SignalBuffer
+from redis_layer_signals.cli import app
+from redis_layer_signals.cli_help import describe, help_line
 from tests.servers import RedisServer, free_port, library_functions, rls
 
 TIMEOUT_S = 60
+INTERNAL_PREFIX = re.compile(r"^[\w.]+: ")
+"""An exception class or an operation name before the message (``BufferUnavailable: time: ...``)."""
+TYPE_TAG = re.compile(r"<(bool|int|integer|float|str|text|path|uuid|datetime)>|range>|\[x?[<>]=|\bx>=")
+"""typer's type tags (``--json <bool>``, ``--layers <int range> [x>=1]``): the help names values."""
 
 
 @pytest.fixture
@@ -150,6 +158,10 @@ def test_unreachable_redis_prints_one_line_and_exits_non_zero(args: tuple[str, .
     assert "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("rls: error:"), done.stderr
+    # What to fix, not which internal step gave up: no "BufferUnavailable:" nor "time:" first.
+    message = lines[0].removeprefix("rls: error: ")
+    assert INTERNAL_PREFIX.match(message) is None, message
+    assert message.startswith("Redis unavailable") and "Connection refused" in message, message
 
 
 def test_metrics_keeps_serving_while_redis_is_unreachable() -> None:
@@ -388,3 +400,96 @@ def test_chaos_refusal_does_not_print_the_password() -> None:
     done = rls("simulate", "--chaos", "--redis", f"redis://ops:s3cret@127.0.0.1:{free_port()}/0")
     assert done.returncode == 1 and "refusing --chaos on redis://ops:***@127.0.0.1:" in done.stderr, done.stderr
     assert "s3cret" not in done.stderr
+
+
+# -- help ------------------------------------------------------------------------------------
+
+
+def every_command() -> list[tuple[str, Any, Any]]:
+    """(path, command, context) of ``rls``, its groups and every command under them."""
+    root: Any = typer.main.get_command(app)
+    found = [("rls", root, root.context_class(root, info_name="rls", max_content_width=200, terminal_width=200))]
+    for path, group, context in found:  # grows while it is walked: groups add their commands
+        for name in getattr(group, "list_commands", lambda _: [])(context):
+            command = group.get_command(context, name)
+            sub = command.context_class(command, info_name=name, parent=context)
+            found.append((f"{path} {name}", command, sub))
+    return found
+
+
+def options_of(command: Any, context: Any) -> list[Any]:
+    return [p for p in command.get_params(context) if p.param_type_name == "option" and not p.hidden]
+
+
+def squashed(text: str) -> str:
+    """``text`` without whitespace: a description wrapped over lines (or at a hyphen) still matches."""
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize(("path", "command", "context"), every_command(), ids=lambda v: v if isinstance(v, str) else "")
+def test_help_of_every_command_describes_every_option_with_no_type_tags(path: str, command: Any, context: Any) -> None:
+    text = command.get_help(context)
+    assert TYPE_TAG.search(text) is None, f"{path}: {TYPE_TAG.search(text)}"
+    for option in options_of(command, context):
+        assert (option.help or "").strip(), f"{path} {option.opts[0]} has no description"
+        assert squashed(help_line(option)) in squashed(text), f"{path} {option.opts[0]}"
+    assert "Options:" in text and "--help" in text
+
+
+def option_rows(text: str) -> dict[str, str]:
+    """Each option's row of a help text, its wrapped lines joined: ``{"--batch": "--batch <n> ..."}``."""
+    rows: dict[str, str] = {}
+    last = ""
+    for line in text.splitlines():
+        if line.startswith("  --"):
+            last = line.split()[0]
+            rows[last] = " ".join(line.split())
+        elif last and line.startswith("   "):
+            rows[last] += " " + " ".join(line.split())
+        else:
+            last = ""
+    return rows
+
+
+def test_help_names_each_value_and_says_its_range_after_the_description() -> None:
+    done = rls("simulate", "--help")
+    assert done.returncode == 0, done.stderr
+    rows = option_rows(done.stdout)
+    assert rows["--batch"] == "--batch <n> Engine slots per rank (1-512; default: 8)."
+    assert rows["--layers"].startswith("--layers <n> Layers per request")
+    assert "at least 1" in rows["--layers"] and "default: 61" in rows["--layers"]
+    assert rows["--seed"].startswith("--seed <n> Seed of the random workload")  # undescribed once
+    assert rows["--redis"].startswith("--redis <url> ") and "env: RLS_REDIS_URL" in rows["--redis"]
+    assert rows["--json"] == "--json <file> Also write the figures as JSON to this file."
+    assert rows["--yes"].startswith("--yes Let --chaos")  # a flag takes no value
+    assert rows["--chaos"].startswith("--chaos / --no-chaos Restart") and "default: --no-chaos" in rows["--chaos"]
+    assert TYPE_TAG.search(done.stdout) is None
+
+
+def test_help_summaries_wrap_to_the_terminal_not_to_the_docstring() -> None:
+    """`rls stats`' docstring breaks its summary after "exit 3: the": the help re-wraps it."""
+    wide = {path: command.get_help(context) for path, command, context in every_command()}
+    first_line = wide["rls stats"].splitlines()[2].strip()
+    assert first_line.startswith("The namespace's counters") and first_line.endswith("which --watch only warns about).")
+    narrow = rls("stats", "--help", env={"COLUMNS": "60"})
+    assert narrow.returncode == 0, narrow.stderr
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 60
+    assert "the namespace has no keys" in " ".join(narrow.stdout.split())
+
+
+def test_describe_puts_the_range_inside_the_sentence() -> None:
+    root: Any = typer.main.get_command(app)
+    context = root.context_class(root, info_name="rls")
+    simulate = root.get_command(context, "simulate")
+    by_name = {p.opts[0]: p for p in options_of(simulate, context)}
+    assert describe(by_name["--batch"]) == "Engine slots per rank (1-512)."
+    assert describe(by_name["--early-share"]) == "Tasks registered after layer 0 (0-1)."
+    assert describe(by_name["--layers"]) == "Layers per request (the model's depth; at least 1)."
+    assert describe(by_name["--json"]) == "Also write the figures as JSON to this file."
+
+
+def test_rls_without_a_command_prints_the_help_and_exits_2() -> None:
+    done = rls()
+    assert done.returncode == 2
+    assert done.stdout.startswith("Usage: rls [OPTIONS] COMMAND") and "Commands:" in done.stdout
+    assert done.stderr == ""
