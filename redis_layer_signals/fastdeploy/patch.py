@@ -252,9 +252,9 @@ def decode_source(data: bytes) -> tuple[str, str]:
         return data.decode(encoding), encoding
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise UnreadableSource(
-            f"line {line}: byte {data[exc.start]:#04x} is not {encoding} (no coding cookie declares another)"
-        ) from exc
+        declared = b"coding" in b"".join(data.splitlines(keepends=True)[:2])
+        why = "which its coding line declares" if declared else "and no coding line declares another"
+        raise UnreadableSource(f"line {line}: byte {data[exc.start]:#04x} is not {encoding}, {why}") from exc
 
 
 def patch_source(source: bytes) -> PatchResult:
@@ -494,7 +494,7 @@ class _Codemod:
         missing = [line for line in IMPORTS if line not in present]
         if not missing:
             return module
-        at = _unique(body, lambda s: _head(s) == IMPORT_ANCHOR, "module", f"`{IMPORT_ANCHOR}`")
+        at = _unique(body, lambda s: _head(s) == IMPORT_ANCHOR, "module", IMPORT_ANCHOR)
         return module.with_changes(body=[*body[: at + 1], *_statements("\n".join(missing) + "\n"), *body[at + 1 :]])
 
 
