@@ -308,6 +308,7 @@ def test_a_deeply_nested_expression_is_refused_with_exit_2_not_a_crash(
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "nested" in done.stderr or "too many nested parentheses" in done.stderr
+    assert f"module: line {len(ORIGINAL.splitlines()) + 1}: " in done.stderr
     assert messager_file.read_bytes() == ORIGINAL + tail.encode()
 
 

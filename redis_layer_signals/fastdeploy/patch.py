@@ -289,15 +289,28 @@ def _parse(text: str) -> ast.Module:
     except SyntaxError as exc:
         raise StructureMismatch("module", f"line {exc.lineno}: not Python that parses: {exc.msg}") from exc
     except (RecursionError, MemoryError) as exc:
-        raise StructureMismatch("module", "nested too deeply for Python's parser") from exc
-    level: list[tuple[ast.AST, int]] = [(tree, 0)]
+        raise StructureMismatch("module", f"{_too_deep(text)}nested too deeply for Python's parser") from exc
+    level: list[tuple[ast.AST, int, int]] = [(tree, 0, 1)]  # a node, its depth, its (or its parent's) line
     while level:
-        node, depth = level.pop()
+        node, depth, line = level.pop()
         if depth > MAX_DEPTH:
-            line = getattr(node, "lineno", "?")
             raise StructureMismatch("module", f"line {line}: nested more than {MAX_DEPTH} deep")
-        level += [(child, depth + 1) for child in ast.iter_child_nodes(node)]
+        for child in ast.iter_child_nodes(node):
+            level.append((child, depth + 1, getattr(child, "lineno", line)))
     return tree
+
+
+def _too_deep(text: str) -> str:
+    """``line N: `` for the first line that alone is too deep for Python's parser, else nothing
+    (the expression spans lines)."""
+    for number, line in enumerate(text.split("\n"), start=1):
+        try:
+            ast.parse(line.strip())
+        except (RecursionError, MemoryError):
+            return f"line {number}: "
+        except SyntaxError:
+            continue
+    return ""
 
 
 def _closest(failures: list[StructureMismatch]) -> StructureMismatch:
