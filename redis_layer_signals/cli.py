@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -699,8 +697,12 @@ def bench_command(
 
 fastdeploy_app = HelpTyper(help="FastDeploy's cache messager, integrated.", no_args_is_help=True)
 app.add_typer(fastdeploy_app, name="fastdeploy")
+EXIT_NEEDS_PATCH = 1
+"""``fastdeploy patch --check``: the file needs patching; the diff is on stdout."""
 EXIT_STRUCTURE = 2
-"""``fastdeploy patch``: the file is not the release the codemod knows; nothing was written."""
+"""``fastdeploy patch``: the file is not a release the codemod knows; nothing was written."""
+EXIT_FILE = 3
+"""``fastdeploy patch``: a file could not be read or written (or libcst is missing); nothing changed."""
 
 
 @fastdeploy_app.command("patch")
@@ -714,54 +716,67 @@ def fastdeploy_patch_command(
     output: Annotated[
         Path | None, typer.Option("--output", help="Write the patched file here; FILE is left as it is.")
     ] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(
+            "--root",
+            show_default=False,
+            help="With --check: the diff's paths are relative to this directory, for `patch -p1` run there "
+            "(default: the directory above the fastdeploy/ folder holding FILE, else FILE's directory).",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a read-only FILE or OUT, or a FILE.orig holding another file.")
+    ] = False,
 ) -> None:
-    """Apply the integration guide to `CacheMessagerV1` (release/2.6 with PR 7872): the imports, the
-    bridge in `__init__` and the three hook points. Rewrites FILE and keeps the original as FILE.orig;
-    a file already patched is left alone; another release's file is refused (exit 2)."""
+    """Apply the integration guide to `CacheMessagerV1` (release/2.6 with PR 7872, or after PR 8035):
+    the import, the bridge in `__init__` and the three hook points. Rewrites FILE (through a symlink,
+    its target) and keeps the original as FILE.orig; a file already patched is left alone.
+    Exit codes: 0 patched or already patched; 1 --check found work to do (the diff is on stdout);
+    2 the file's structure is not one the codemod knows, or code it would remove is not (the message
+    names the line), nothing written; 3 a file could not be read or written (binary, not UTF-8 without
+    a coding cookie, NUL bytes, a directory, a missing path, permission, read-only without --force)
+    or libcst is missing, nothing changed."""
     try:
-        from .fastdeploy.patch import StructureMismatch, patch_source
+        from .fastdeploy import patch, patch_files
     except ModuleNotFoundError as exc:
         if exc.name != "libcst":
             raise
-        _fail("rls fastdeploy patch needs libcst: pip install 'redis-layer-signals[fastdeploy]'", EXIT_FAILED)
+        _fail("rls fastdeploy patch needs libcst: pip install 'redis-layer-signals[fastdeploy]'", EXIT_FILE)
     if check and output is not None:
         _fail("--check writes nothing: give --check or --output, not both", EXIT_USAGE)
-    source = file.read_bytes()
     try:
-        result = patch_source(source)
-    except StructureMismatch as exc:
+        target = patch_files.resolve(file)
+        name = patch_files.diff_name(target, root) if check else ""
+        result = patch.patch_source(patch_files.read(target))
+    except patch_files.FileProblem as exc:
+        _fail(str(exc), EXIT_FILE)
+    except patch.UnreadableSource as exc:
+        _fail(f"{file}: {exc}", EXIT_FILE)
+    except patch.StructureMismatch as exc:
         _fail(f"{file}: {exc}", EXIT_STRUCTURE)
-    if check:
-        if result.changed:
-            # The path as given, so that `patch -p1` applies the diff where it was made.
-            sys.stdout.write(result.diff(file.name if file.is_absolute() else file.as_posix()))
-            raise typer.Exit(EXIT_FAILED)
-        out.print(f"{file}: already patched", markup=False)
-        return
-    if output is not None:
-        _write_whole(output, result.patched, mode_of=file)
-        what = "the patched form" if result.changed else "a copy (already patched)"
-        out.print(f"{output}: {what} of {file}", markup=False)
-        return
-    if not result.changed:
-        out.print(f"{file}: already patched, left as it is", markup=False)
-        return
-    backup = file.with_name(file.name + ".orig")
-    _write_whole(backup, source, mode_of=file)
-    _write_whole(file, result.patched, mode_of=file)
-    out.print(f"{file}: patched; the original is in {backup}", markup=False)
-
-
-def _write_whole(path: Path, data: bytes, mode_of: Path) -> None:
-    """Write ``path`` all at once (a temporary file renamed over it), with ``mode_of``'s mode:
-    an interrupted run never leaves half a file."""
-    temporary = path.with_name(f".{path.name}.rls-tmp")
+    except ValueError as exc:  # --root does not hold FILE
+        _fail(str(exc), EXIT_USAGE)
+    shown = file if target == file.absolute() else f"{file} -> {target}"
     try:
-        temporary.write_bytes(data)
-        shutil.copymode(mode_of, temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+        if check:
+            if result.changed:
+                sys.stdout.flush()
+                sys.stdout.buffer.write(result.diff(name))
+                sys.stdout.flush()
+                raise typer.Exit(EXIT_NEEDS_PATCH)
+            out.print(f"{shown}: already patched", markup=False, soft_wrap=True)
+        elif output is not None:
+            written = patch_files.write_copy(output, result.patched, mode_of=target, force=force)
+            what = "the patched form" if result.changed else "a copy (already patched)"
+            out.print(f"{written}: {what} of {shown}", markup=False, soft_wrap=True)
+        elif not result.changed:
+            out.print(f"{shown}: already patched, left as it is", markup=False, soft_wrap=True)
+        else:
+            backup = patch_files.replace(target, result.patched, result.original, force=force)
+            out.print(f"{shown}: patched; the original is in {backup}", markup=False, soft_wrap=True)
+    except patch_files.FileProblem as exc:
+        _fail(str(exc), EXIT_FILE)
 
 
 # -- entry point -------------------------------------------------------------------------------
