@@ -55,6 +55,13 @@ class BridgeHealth:
     lag_seconds: float = 0.0
     """Age of the oldest decision Redis does not hold yet (0 when caught up): how far behind
     what ``rls inspect`` and the exporter read from Redis is."""
+    group_waiting: int = 0
+    """A tensor-parallel rank (``nranks > 1``): layer-0 entries not released yet, each waiting
+    for its task's registration or for the entries before it (0 for a rank of its own)."""
+    group_voting: int = 0
+    """Entries this rank gave up on, waiting for the group's outcome in Redis."""
+    group_unreachable: bool = False
+    """The group's last call to Redis failed: releases go on, a give-up waits until it answers."""
     evicting: Mapping[str, str] = field(default_factory=dict)
     """The servers the buffer found with a ``maxmemory-policy`` that may evict (server: policy):
     empty on a ``noeviction`` server. Eviction deletes what the bridge wrote without an error."""
