@@ -23,7 +23,8 @@ Three promises to FastDeploy's loops:
 - **Order per slot.** The bridge puts batches on the sender's queue itself, under a lock of its
   own that is never held across a Redis round trip: a batch a registration recovers is queued
   before any later batch of its slot, and a batch the sender already has something as far
-  along for is not queued again.
+  along for is not queued again. With ``nranks > 1`` the order is the GPU's instead, the same on
+  every tensor-parallel rank (``group``).
 """
 
 from __future__ import annotations
@@ -131,8 +132,12 @@ class Layer0Bridge:
     of its instance and rank, as in FastDeploy, where one process runs the signal consumer,
     the task adder and the sender: the bridge then queues a signal only for a task this process
     registered, as FastDeploy's sender requires. Pass False to the bridges of a deployment whose
-    adder runs in another process (see ``reference.run_adder_process``). Every method is
-    safe to call from any thread, and none raises.
+    adder runs in another process (see ``reference.run_adder_process``). ``nranks`` (1 to
+    64) is the instance's tensor-parallel size: above 1, every rank of the group (the ranks
+    sharing ``rank // nranks``) queues the same batches in the same order, one per layer-0
+    entry, whatever each rank's timing, as the senders' shared barriers require (see
+    ``group``; it needs ``registers_tasks``). Every method is safe to call from any thread,
+    and none raises.
     """
 
     def __init__(
