@@ -18,6 +18,7 @@ import pytest
 
 from redis_layer_signals import InvalidConfig, SignalBuffer
 from redis_layer_signals.fastdeploy import Layer0Bridge
+from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
 from tests.servers import RedisServer, running, wait_until
 
@@ -238,6 +239,12 @@ def test_releases_go_on_during_an_outage_and_give_ups_wait_for_redis(namespace: 
         for ready in group.ready:
             assert ready.get_nowait() == [(5, 128)]
             assert ready.empty(), "the entry behind the given-up head waits for the group"
+        metrics = BridgeMetrics()
+        metrics.track(group.bridges[1])
+        labels = f'instance="p0",namespace="{namespace}",rank="1"'
+        text = metrics.render().decode()
+        assert f"rls_bridge_group_waiting{{{labels}}} 2.0" in text
+        assert f"rls_bridge_group_voting{{{labels}}} 1.0" in text
         server.start()
         for ready in group.ready:
             assert ready.get(timeout=30) == [(5, 256)]

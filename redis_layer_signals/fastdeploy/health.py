@@ -102,6 +102,12 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
         lag = GaugeMetricFamily(
             "rls_bridge_lag_seconds", "Age of the oldest decision Redis does not hold yet", labels=LABELS
         )
+        waiting = GaugeMetricFamily(
+            "rls_bridge_group_waiting", "Tensor-parallel rank: layer-0 entries not released yet", labels=LABELS
+        )
+        voting = GaugeMetricFamily(
+            "rls_bridge_group_voting", "Tensor-parallel rank: entries given up on, awaiting the group", labels=LABELS
+        )
         errors = CounterMetricFamily(
             "rls_bridge_errors", "Hook calls that failed on the way (never raised)", labels=[*LABELS, "operation"]
         )
@@ -115,7 +121,9 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
             journal.add_metric(labels, health.journal)
             unwritten.add_metric(labels, health.unwritten)
             lag.add_metric(labels, health.lag_seconds)
+            waiting.add_metric(labels, health.group_waiting)
+            voting.add_metric(labels, health.group_voting)
             for operation in OPERATIONS:
                 local.add_metric([*labels, operation], health.local_calls.get(operation, 0))
                 errors.add_metric([*labels, operation], health.errors.get(operation, 0))
-        yield from (degraded, seconds, episodes, local, reconciled, journal, unwritten, lag, errors)
+        yield from (degraded, seconds, episodes, local, reconciled, journal, unwritten, lag, waiting, voting, errors)
