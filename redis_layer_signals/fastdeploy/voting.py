@@ -10,6 +10,7 @@ While Redis does not answer, releases go on in the hooks; only a give-up waits.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
     from .bridge import Layer0Bridge
 
 logger = logging.getLogger(__name__)
+
+REFRESH_S = 5.0
+"""An idle rank reports again this often: what the group keeps of it comes back after Redis
+lost it (a restart without persistence) or another rank's process reset the keys."""
+ABANDONED_KEPT = 64
+"""Entries the rank gave up on whose votes it sends again with each report, so that a group
+that lost its keys cannot read this rank's progress past them as releases."""
 
 
 class GroupVoter:
@@ -41,6 +49,8 @@ class GroupVoter:
         """The last call failed: give-ups wait for Redis (releases do not)."""
         self._reported: int | None = None
         """The ``handled`` the group last heard from this rank (None: nothing heard yet)."""
+        self._reported_at = 0.0
+        self._abandoned: collections.deque[int] = collections.deque(maxlen=ABANDONED_KEPT)
         self._thread = threading.Thread(target=self._run, name="rls-group", daemon=True)
 
     def start(self) -> None:
@@ -75,10 +85,12 @@ class GroupVoter:
                 seq,
                 self.group.give_up_s,
             )
-        if not votes and handled == self._reported:
+        due = time.monotonic() - self._reported_at >= REFRESH_S
+        if not votes and handled == self._reported and not due:
             return
         protocol = bridge.buffer.protocol
-        prepared = protocol.group(self.keys, self.nranks, self.member, self.token, handled, votes)
+        sent = [*votes, *self._abandoned]
+        prepared = protocol.group(self.keys, self.nranks, self.member, self.token, handled, sent)
         answer = bridge.buffer.group(prepared)
         if self.unreachable:
             logger.warning("%s/%d: the tensor-parallel group's keys answer again", bridge.instance, bridge.rank)
@@ -89,9 +101,11 @@ class GroupVoter:
                 bridge.instance,
                 bridge.rank,
             )
-        self._reported = handled
+        self._reported, self._reported_at = handled, time.monotonic()
         with bridge._lock:
-            for voted, outcome in zip(votes, answer.outcomes, strict=True):
+            for voted, outcome in zip(votes, answer.outcomes, strict=False):
+                if outcome == Outcome.ABANDONED:
+                    self._abandoned.append(voted)
                 bridge._settle_group(self.group.decided(voted, Outcome(outcome)), self.group.next_seq)
 
     def _failed(self, exc: Exception) -> None:
