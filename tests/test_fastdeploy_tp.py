@@ -21,6 +21,7 @@ from redis_layer_signals.fastdeploy import Layer0Bridge, voting
 from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
 from tests.servers import RedisServer, running, wait_until
+from tests.topology import ClusterTopology
 
 Entry = tuple[int, int]
 
@@ -302,3 +303,21 @@ def test_a_group_that_lost_its_keys_gets_the_ranks_votes_and_progress_back(
         what="the ranks to report again",
     )
     assert client.hget(keys.votes, "0") in (b",0,1,", b",1,0,")
+
+
+def test_the_group_gives_up_on_a_three_primary_cluster(
+    cluster: ClusterTopology, namespace: str, groups: list[Group]
+) -> None:
+    """The group's keys share one hash tag: one function call on one node, permissions checked
+    on the same keys, whichever primary serves the tag."""
+    group = Group(cluster.url, namespace, 2, pending_ttl_s=0.3)
+    groups.append(group)
+    for bridge in group.bridges:
+        bridge.on_cache_task(cache_info(6, "b", 300))
+        assert bridge.on_kv_signal(encode_kv_signal(0, [(9, 0, 64), (6, 0, 128)])) == []
+    for ready in group.ready:
+        assert ready.get(timeout=30) == [(6, 128)]
+    for bridge in group.bridges:
+        assert dict(bridge.health().errors) == {}
+    keys = group.buffers[0].protocol.keys.group("p0", 0)
+    assert group.buffers[0].client.hget(keys.outcomes, "0") == b"abandoned"
