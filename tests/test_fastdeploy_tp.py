@@ -321,3 +321,29 @@ def test_the_group_gives_up_on_a_three_primary_cluster(
         assert dict(bridge.health().errors) == {}
     keys = group.buffers[0].protocol.keys.group("p0", 0)
     assert group.buffers[0].client.hget(keys.outcomes, "0") == b"abandoned"
+
+
+def test_early_signals_an_earlier_process_left_are_not_taken_over_by_a_tp_rank(tp_url: str, namespace: str) -> None:
+    """A rank's entries come only from the GPU stream every rank reads: a signal left in Redis by
+    an earlier process of one rank would be a batch the other ranks never queue. It ends as
+    ``expired`` instead, and the task that registers gets nothing from it."""
+    buffer = SignalBuffer.from_url(tp_url, namespace=namespace, env={})
+    try:
+        earlier = Layer0Bridge(buffer, "p0", 0, num_layers=4)
+        earlier.on_kv_signal(encode_kv_signal(0, [(5, 0, 128)]))
+        assert earlier.flush(10.0)
+        earlier.close()
+        assert [s.tokens for s in buffer.pending("p0", 0, 5)] == [128]
+        ready: queue.Queue[list[Entry]] = queue.Queue()
+        bridge = Layer0Bridge(buffer, "p0", 0, num_layers=4, ready=ready, nranks=2)
+        try:
+            assert bridge.on_cache_task(cache_info(5, "a", 300)) == []
+            assert bridge.flush(10.0)
+            assert buffer.pending("p0", 0, 5) == []
+            stats = buffer.stats()
+            assert (stats["buffered"], stats["expired"], stats["recovered"]) == (1, 1, 0)
+            assert ready.empty()
+        finally:
+            bridge.close()
+    finally:
+        buffer.close()
