@@ -110,6 +110,8 @@ class GroupVoter:
 
     def _failed(self, exc: Exception) -> None:
         bridge = self.bridge
+        if bridge._closed.is_set():
+            return  # the bridge closed (its buffer too, maybe) while this call was on its way
         with bridge._lock:
             bridge._errors["group"] += 1
         if not self.unreachable:
