@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from redis_layer_signals import InvalidConfig, SignalBuffer
+from redis_layer_signals.admin import namespace_keys, purge
 from redis_layer_signals.fastdeploy import Layer0Bridge, voting
 from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
@@ -268,6 +269,11 @@ def test_tp_group_keys_share_one_hash_tag_and_carry_a_ttl(tp_url: str, namespace
         assert client.pttl(key) > 0, key
     assert client.hget(keys.outcomes, "0") == b"abandoned"
     assert client.hget(keys.votes, "0") in (b",0,1,", b",1,0,")
+    group.close()
+    groups.remove(group)
+    assert {keys.members, keys.votes, keys.outcomes} <= set(namespace_keys(client, namespace))
+    purge(client, namespace)  # what `rls purge` does: the group's keys go with the ranks'
+    assert client.exists(keys.members, keys.votes, keys.outcomes) == 0
 
 
 @pytest.mark.parametrize("bad", [0, 65, True, 2.0, "2"])
