@@ -1,19 +1,22 @@
-"""group.GroupQueue, one rank's side of a tensor-parallel group, without threads or Redis: ranks
+"""group.GroupQueue, one rank's side of a tensor-parallel group, without threads: ranks
 fed the same GPU stream and the same registration stream, interleaved differently, queue the
-same batches; giving up is decided by the group (``FakeGroup`` decides as lua/group.lua does;
-tests/test_fastdeploy_tp.py runs the real function)."""
+same batches; giving up is decided by the group (``FakeGroup`` decides as lua/group.lua does,
+``LuaGroup`` runs the function itself on fakeredis)."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from redis_layer_signals import CacheTask, DropReason
+from redis_layer_signals import CacheTask, DropReason, SignalBuffer
 from redis_layer_signals.fastdeploy.group import GroupQueue, Outcome, Progress
 
 GIVE_UP_S = 10.0
+Workload = tuple[list[list[tuple[int, int]]], list[CacheTask]]
+"""The GPU's layer-0 messages and the registrations, in the orders every rank shares."""
 
 
 def task(slot: int, request_id: str, need: int = 4096) -> CacheTask:
@@ -45,6 +48,20 @@ class FakeGroup:
         return answers
 
 
+class LuaGroup:
+    """The same calls, answered by lua/group.lua itself (on fakeredis)."""
+
+    def __init__(self, nranks: int) -> None:
+        self.nranks = nranks
+        self.buffer = SignalBuffer.from_url(f"memory://{uuid.uuid4().hex}", namespace="g", env={})
+        self.keys = self.buffer.protocol.keys.group("p0", 0)
+        self.tokens = [f"rank{member}" for member in range(nranks)]
+
+    def call(self, member: int, handled: int, votes: list[int]) -> list[Outcome]:
+        prepared = self.buffer.protocol.group(self.keys, self.nranks, member, self.tokens[member], handled, votes)
+        return [Outcome(outcome) for outcome in self.buffer.group(prepared).outcomes]
+
+
 @dataclass
 class Rank:
     """One rank: its queue, its clock, and what it put on its sender's queue."""
@@ -59,7 +76,7 @@ class Rank:
         self.queued.extend((e.seq, e.slot, e.tokens) for e in progress.released)
         self.dropped.extend((e.seq, reason) for e, reason in progress.dropped)
 
-    def sync(self, group: FakeGroup) -> None:
+    def sync(self, group: FakeGroup | LuaGroup) -> None:
         """What the rank's group thread does: give up on a head that is due, report, settle."""
         self.queue.give_up(self.now_s)
         votes = self.queue.voting()
@@ -68,7 +85,7 @@ class Rank:
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[list[list[tuple[int, int]]], list[CacheTask]]:
+def workloads(draw: st.DrawFn) -> Workload:
     """A GPU stream (messages of layer-0 entries, each request's chunks in order) and the
     registrations, in an order of their own; the last request may be aborted (never registered)."""
     requests = draw(st.integers(1, 6))
@@ -93,11 +110,14 @@ def workloads(draw: st.DrawFn) -> tuple[list[list[tuple[int, int]]], list[CacheT
 
 
 def run_ranks(
-    data: st.DataObject, nranks: int, messages: list[list[tuple[int, int]]], tasks: list[CacheTask]
+    data: st.DataObject,
+    nranks: int,
+    messages: list[list[tuple[int, int]]],
+    tasks: list[CacheTask],
+    group: FakeGroup | LuaGroup,
 ) -> list[Rank]:
     """Every rank reads the same two streams, each in its own interleaving with its clock and its
     group thread; then the group runs until every rank's queue is empty."""
-    group = FakeGroup(nranks)
     ranks = [Rank(member) for member in range(nranks)]
     cursors = [[0, 0] for _ in ranks]
     while True:
@@ -127,13 +147,8 @@ def run_ranks(
     return ranks
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
-@given(workload=workloads(), nranks=st.sampled_from([2, 4]), data=st.data())
-def test_ranks_fed_the_same_streams_in_any_interleaving_queue_the_same_batches(
-    workload: tuple[list[list[tuple[int, int]]], list[CacheTask]], nranks: int, data: st.DataObject
-) -> None:
+def check_identical(workload: Workload, ranks: list[Rank]) -> None:
     messages, tasks = workload
-    ranks = run_ranks(data, nranks, messages, tasks)
     first = ranks[0]
     total = sum(len(message) for message in messages)
     registered = {t.slot for t in tasks}
@@ -151,6 +166,24 @@ def test_ranks_fed_the_same_streams_in_any_interleaving_queue_the_same_batches(
     for seq, reason in first.dropped:
         if flat[seq][0] not in registered:
             assert reason is DropReason.EXPIRED  # the aborted request's entries: given up by all
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
+@given(workload=workloads(), nranks=st.sampled_from([2, 4]), data=st.data())
+def test_ranks_fed_the_same_streams_in_any_interleaving_queue_the_same_batches(
+    workload: Workload, nranks: int, data: st.DataObject
+) -> None:
+    check_identical(workload, run_ranks(data, nranks, *workload, FakeGroup(nranks)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
+@given(workload=workloads(), nranks=st.sampled_from([2, 4]), data=st.data())
+def test_the_same_with_lua_group_deciding(workload: Workload, nranks: int, data: st.DataObject) -> None:
+    group = LuaGroup(nranks)
+    try:
+        check_identical(workload, run_ranks(data, nranks, *workload, group))
+    finally:
+        group.buffer.close()
 
 
 def test_the_example_of_two_ranks_with_one_message_for_two_slots() -> None:
