@@ -19,7 +19,7 @@ from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .owed import OwedFinish
 from .permissions import ServerRefused, from_server, refused
-from .protocol import Applied, Prepared, ScriptCall
+from .protocol import Applied, GroupAnswer, Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts, cut_by_deadline
 from .scripts import FUNCTIONS, LibraryMissing, ensure_library, function_missing
@@ -93,6 +93,11 @@ class SignalBuffer(BufferBase):
     def apply(self, prepared: Prepared[Applied]) -> Applied:
         """Run a prepared ``apply`` (the FastDeploy bridge's writer); resent with the same
         token within ``retry_s``."""
+        return self._execute(prepared)
+
+    def group(self, prepared: Prepared[GroupAnswer]) -> GroupAnswer:
+        """Run a prepared ``group`` call (the FastDeploy bridge's tensor-parallel votes);
+        resent with the same arguments within ``retry_s`` (it is idempotent)."""
         return self._execute(prepared)
 
     # -- reads -----------------------------------------------------------------------------

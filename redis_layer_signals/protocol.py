@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 from . import validation
 from .config import BufferConfig
 from .constants import (
+    KEY_PREFIX,
     MAX_BATCH,
     MAX_INT,
     PENDING_KEY_GRACE_S,
@@ -25,7 +26,7 @@ from .constants import (
     WRITER_KEY_TTL_S,
 )
 from .errors import InvalidSignal, InvalidTask, SlotOccupied
-from .keys import KeySpace, RankKeys
+from .keys import GroupKeys, KeySpace, RankKeys
 from .models import CacheTask, FinishResult, RecordResult, RegisterResult
 from .replies import (
     batch_signals,
@@ -216,6 +217,29 @@ class _Apply(Prepared[Applied]):
         return Applied(now, int(overridden), int(tasks), int(pending))
 
 
+class GroupAnswer:
+    """What ``group`` answered: whether the group's keys were reset (this member came with a
+    token the group did not know), and the outcome of each voted sequence number, in order."""
+
+    __slots__ = ("outcomes", "reset")
+
+    def __init__(self, reset: bool, outcomes: list[str]) -> None:
+        self.reset = reset
+        self.outcomes = outcomes
+
+
+class _Group(Prepared[GroupAnswer]):
+    __slots__ = ()
+
+    def __init__(self, call: ScriptCall) -> None:
+        self.operation = "group"
+        self.call = call
+
+    def parse(self, reply: Any) -> GroupAnswer:
+        reset, _, outcomes = split_reply(reply)[2].partition(";")
+        return GroupAnswer(reset == "1", outcomes.split(",") if outcomes else [])
+
+
 SlotState = tuple[str, str, str, str, str, str, str, str]
 """One slot for ``apply`` (lua/apply.lua): slot, prior holder, lease, document, recovery,
 pending signal, fate counter, the value the fate ends."""
@@ -396,6 +420,17 @@ class Protocol:
         call = ScriptCall("apply", [keys.live, keys.pending, keys.expiry, keys.stats, keys.writer(writer)], args)
         return _Apply(call)
 
+    # -- group (tensor-parallel ranks of the FastDeploy bridge) -----------------------------
+
+    def group(
+        self, keys: GroupKeys, nranks: int, member: int, token: str, handled: int, votes: Sequence[int]
+    ) -> Prepared[GroupAnswer]:
+        """Report ``member``'s highest handled sequence number and vote to give up ``votes``
+        (lua/group.lua). The caller (the bridge's group thread) builds every value itself."""
+        args = [self._now(), str(nranks), str(member), token, str(handled), self._task_key_ttl]
+        args.extend(str(seq) for seq in votes)
+        return _Group(ScriptCall("group", [keys.members, keys.votes, keys.outcomes], args))
+
     def live_entry(self, deadline_ms: int, request_id: str) -> str:
         """A live hash entry as lua/_lib.lua lays it out."""
         return f"{deadline_ms:016d}|{request_id}"
@@ -416,8 +451,12 @@ class Protocol:
     def permissions(self, call: ScriptCall) -> ScriptCall:
         """The check of every command the rank's functions may run, on the keys of ``call``'s
         rank (see ``lua/permissions.lua``): a refused one is found before anything is written."""
-        owner = self.keys.owner(call.keys[0])
-        assert owner is not None, call.keys[0]  # every call's keys are built here
+        first = call.keys[0]
+        if call.script == "group":
+            tag = first[len(KEY_PREFIX) + 1 : first.index("}") + 1]
+            return ScriptCall("permissions", GroupKeys(tag, *call.keys).permission_keys, [])
+        owner = self.keys.owner(first)
+        assert owner is not None, first  # every call's keys are built here
         keys = self.keys.rank(*owner)  # all of them: a call passes only the keys it touches
         return ScriptCall(
             "permissions", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply("check"), keys.ended], []

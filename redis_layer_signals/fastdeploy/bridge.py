@@ -23,7 +23,8 @@ Three promises to FastDeploy's loops:
 - **Order per slot.** The bridge puts batches on the sender's queue itself, under a lock of its
   own that is never held across a Redis round trip: a batch a registration recovers is queued
   before any later batch of its slot, and a batch the sender already has something as far
-  along for is not queued again.
+  along for is not queued again. With ``nranks > 1`` the order is the GPU's instead, the same on
+  every tensor-parallel rank (``group``).
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from ..protocol import new_token
+from .group import GroupQueue, Progress
 from .health import BridgeHealth
 from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, registered_by, replay
 from .local import EarlySignal, LocalState
 from .owner import OwnedRank
 from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
+from .voting import GroupVoter
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ DEFAULT_HOOK_BUDGET_MS = 50.0
 before it stops waiting and journals, as for an outage. A healthy Redis answers in about a
 millisecond (loopback) to a few (across hosts), so 50 ms never triggers there, and it bounds a
 stall of FastDeploy's signal consumer to about one forward step."""
+MAX_NRANKS = 64
+"""Tensor-parallel ranks an instance may have (``nranks``)."""
 DEFAULT_PROBE_S = 0.5
 """While degraded, how often the bridge tries to reach Redis and write back what it decided."""
 OFFSET_MAX_ROUND_TRIP_S = 1.0
@@ -127,8 +132,12 @@ class Layer0Bridge:
     of its instance and rank, as in FastDeploy, where one process runs the signal consumer,
     the task adder and the sender: the bridge then queues a signal only for a task this process
     registered, as FastDeploy's sender requires. Pass False to the bridges of a deployment whose
-    adder runs in another process (see ``reference.run_adder_process``). Every method is
-    safe to call from any thread, and none raises.
+    adder runs in another process (see ``reference.run_adder_process``). ``nranks`` (1 to
+    64) is the instance's tensor-parallel size: above 1, every rank of the group (the ranks
+    sharing ``rank // nranks``) queues the same batches in the same order, one per layer-0
+    entry, whatever each rank's timing, as the senders' shared barriers require (see
+    ``group``; it needs ``registers_tasks``). Every method is safe to call from any thread,
+    and none raises.
     """
 
     def __init__(
@@ -143,6 +152,7 @@ class Layer0Bridge:
         registers_tasks: bool = True,
         probe_s: float = DEFAULT_PROBE_S,
         hook_budget_ms: float = DEFAULT_HOOK_BUDGET_MS,
+        nranks: int = 1,
     ) -> None:
         validation.integer(block_size, "block_size", InvalidConfig, 1, MAX_INT)
         validation.integer(num_layers, "num_layers", InvalidConfig, 1, MAX_INT)
@@ -218,6 +228,16 @@ class Layer0Bridge:
         self._replaying = threading.Lock()
         """One writer at a time: a journaled operation is replayed once."""
         self._writer: threading.Thread | None = None
+        self.group: GroupQueue | None = None
+        """The layer-0 entries of a tensor-parallel rank (``nranks > 1``), released in the
+        group's order (see ``group``); None for a rank of its own."""
+        self._voter: GroupVoter | None = None
+        if validation.integer(nranks, "nranks", InvalidConfig, 1, MAX_NRANKS + 1) > 1:
+            if not registers_tasks:
+                raise InvalidConfig("nranks", nranks, "above 1 needs registers_tasks=True (FastDeploy's layout)")
+            self.group = GroupQueue(give_up_s=buffer.config.pending_ttl_s)
+            self._voter = GroupVoter(self, self.group, nranks, interval_s=self.probe_s)
+            self._voter.start()
         if registers_tasks:
             self.owned = OwnedRank(self._pending_ttl_ms, buffer.protocol.task_ttl_ms)
             self.local.tasks = self.owned.tasks  # one map: what the sender's queue checks
@@ -264,6 +284,11 @@ class Layer0Bridge:
             return []
         if self.owned is not None:
             with self._lock:
+                if self.group is not None:
+                    first = self.group.next_seq
+                    progress = self.group.arrive(pairs, request_ids, time.monotonic())
+                    self._decided(operation)
+                    return self._settle_group(progress, first, len(pairs))
                 queued, suppressed = self.owned.record(pairs, request_ids, self._server_ms())
                 if queued:
                     self.ready.put(queued)
@@ -346,6 +371,8 @@ class Layer0Bridge:
             self._decided("on_cache_task")
             if taken_from is not None:
                 self._log_takeover(task, taken_from)
+            if self.group is not None:  # its early signals wait in the group's queue
+                return self._settle_group(self.group.registered(task), self.group.next_seq)
             if tokens is None:
                 return []
             if reason is not None:
@@ -380,6 +407,8 @@ class Layer0Bridge:
         if self.owned is not None:
             with self._lock:
                 outcome = self.owned.finish(current_id, request_id, self._server_ms())
+                if self.group is not None:
+                    self.group.finished(current_id, request_id)
                 self._decided(operation)
             if outcome[2]:
                 logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
@@ -437,7 +466,18 @@ class Layer0Bridge:
                 unwritten=self._unwritten(),
                 lag_seconds=self._lag_seconds(),
                 evicting=eviction.evicting(self.buffer.policies),
+                **self._group_health(),
             )
+
+    def _group_health(self) -> dict[str, Any]:
+        """Under the lock: the ``group_*`` fields of ``health`` (nothing for a rank of its own)."""
+        if self.group is None or self._voter is None:
+            return {}
+        return {
+            "group_waiting": self.group.waiting(),
+            "group_voting": len(self.group.voting()),
+            "group_unreachable": self._voter.unreachable,
+        }
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until Redis holds every decision made so far (True), or ``timeout_s`` passes
@@ -575,7 +615,7 @@ class Layer0Bridge:
         with self._lock:
             if self.buffer.protocol.clock is None:
                 self._offset_ms = now - int(midway * 1000)
-            self.owned.adopt(pending, holders, self._server_ms())
+            self.owned.adopt(pending, holders, self._server_ms(), keep_early=self.group is None)
             if self.owned.unwritten() and self._pending_since is None:
                 self._pending_since = time.monotonic()
             self._wake.notify_all()
@@ -801,6 +841,35 @@ class Layer0Bridge:
         """Under the lock: ``task`` is still its slot's task in this process."""
         holder = self.local.tasks.get(task.slot)
         return holder is not None and holder.task.request_id == task.request_id
+
+    def _settle_group(self, progress: Progress, first_new: int, arrived: int = 0) -> Batch:
+        """Under the lock, for a tensor-parallel rank: queue each released entry as its own
+        batch, in order, log the dropped ones, and count both for Redis (see
+        ``Progress.counts``). Returns the released entries (already queued)."""
+        assert self.owned is not None
+        released: Batch = []
+        for entry in progress.released:
+            batch = [(entry.slot, entry.tokens)]
+            self.ready.put(batch)
+            released.extend(batch)
+        for entry, reason in progress.dropped:
+            logger.warning(
+                "%s/%d: dropped layer-0 entry %d (slot %d, %d tokens): %s",
+                self.instance,
+                self.rank,
+                entry.seq,
+                entry.slot,
+                entry.tokens,
+                reason.value,
+            )
+        counts = progress.counts(first_new, arrived)
+        if counts:
+            self.owned.count(counts)
+            if self._pending_since is None:  # a decision of the group thread: wake the writer
+                self._pending_since = time.monotonic()
+                if self._writer_waits:
+                    self._wake.notify_all()
+        return released
 
     def _queue(self, entries: Iterable[tuple[int, int]]) -> Batch:
         """Put one batch on the sender's queue: entries of a slot whose registration is on its

@@ -55,6 +55,13 @@ class BridgeHealth:
     lag_seconds: float = 0.0
     """Age of the oldest decision Redis does not hold yet (0 when caught up): how far behind
     what ``rls inspect`` and the exporter read from Redis is."""
+    group_waiting: int = 0
+    """A tensor-parallel rank (``nranks > 1``): layer-0 entries not released yet, each waiting
+    for its task's registration or for the entries before it (0 for a rank of its own)."""
+    group_voting: int = 0
+    """Entries this rank gave up on, waiting for the group's outcome in Redis."""
+    group_unreachable: bool = False
+    """The group's last call to Redis failed: releases go on, a give-up waits until it answers."""
     evicting: Mapping[str, str] = field(default_factory=dict)
     """The servers the buffer found with a ``maxmemory-policy`` that may evict (server: policy):
     empty on a ``noeviction`` server. Eviction deletes what the bridge wrote without an error."""
@@ -95,6 +102,12 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
         lag = GaugeMetricFamily(
             "rls_bridge_lag_seconds", "Age of the oldest decision Redis does not hold yet", labels=LABELS
         )
+        waiting = GaugeMetricFamily(
+            "rls_bridge_group_waiting", "Tensor-parallel rank: layer-0 entries not released yet", labels=LABELS
+        )
+        voting = GaugeMetricFamily(
+            "rls_bridge_group_voting", "Tensor-parallel rank: entries given up on, awaiting the group", labels=LABELS
+        )
         errors = CounterMetricFamily(
             "rls_bridge_errors", "Hook calls that failed on the way (never raised)", labels=[*LABELS, "operation"]
         )
@@ -108,7 +121,9 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
             journal.add_metric(labels, health.journal)
             unwritten.add_metric(labels, health.unwritten)
             lag.add_metric(labels, health.lag_seconds)
+            waiting.add_metric(labels, health.group_waiting)
+            voting.add_metric(labels, health.group_voting)
             for operation in OPERATIONS:
                 local.add_metric([*labels, operation], health.local_calls.get(operation, 0))
                 errors.add_metric([*labels, operation], health.errors.get(operation, 0))
-        yield from (degraded, seconds, episodes, local, reconciled, journal, unwritten, lag, errors)
+        yield from (degraded, seconds, episodes, local, reconciled, journal, unwritten, lag, waiting, voting, errors)

@@ -202,6 +202,12 @@ class OwnedRank:
         """Early signals Redis has not been told about yet."""
         return sum(1 for slot, early in self._early.items() if self._redis_pending.get(slot) != early)
 
+    def count(self, counts: Mapping[str, int]) -> None:
+        """A decision made elsewhere (a tensor-parallel rank's ``group.GroupQueue``): its
+        counters, for the next batch."""
+        self.decisions += 1
+        self.counts.update(counts)
+
     # -- what Redis has not been told ---------------------------------------------------
 
     def unwritten(self) -> bool:
@@ -284,15 +290,21 @@ class OwnedRank:
         self.decisions = 0
         return batch
 
-    def adopt(self, pending: dict[int, str], holders: dict[int, str], now_ms: int) -> None:
+    def adopt(self, pending: dict[int, str], holders: dict[int, str], now_ms: int, keep_early: bool = True) -> None:
         """At start, what an earlier process of this rank left in Redis: its early signals
         become this process's (a signal survives a restart of the messager); its tasks are no
         task of this process, so their slots are marked changed (the process's state wins:
-        apply removes them and counts each as overridden)."""
+        apply removes them and counts each as overridden). Without ``keep_early`` (a
+        tensor-parallel rank, whose entries come only from the GPU's stream every rank reads)
+        the early signals end as ``expired``."""
         for slot, text in pending.items():
             if slot in self._early or slot in self.tasks:
                 continue
             early = parse_stored(text)
+            if not keep_early:
+                self._redis_pending[slot] = early
+                self._changed[slot] = ("expired", early)
+                continue
             self._early[slot] = early
             self._redis_pending[slot] = early
             self._next_deadline = min(self._next_deadline, early[3])

@@ -1,0 +1,126 @@
+"""The thread that carries one rank's side of its tensor-parallel group to Redis.
+
+A rank releases its layer-0 entries in the hooks, without Redis (``group.GroupQueue``). Only
+giving up on an entry needs the group: this thread gives up on the head once it has waited
+``give_up_s``, votes for it in Redis (lua/group.lua), asks again every ``interval_s`` until the
+group has decided, and hands the outcome back to the bridge. It also reports how far the rank
+got (``handled``), which tells the voters of other ranks that this rank released an entry.
+While Redis does not answer, releases go on in the hooks; only a give-up waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..protocol import new_token
+from .group import GroupQueue, Outcome
+
+if TYPE_CHECKING:
+    from .bridge import Layer0Bridge
+
+logger = logging.getLogger(__name__)
+
+REFRESH_S = 5.0
+"""An idle rank reports again this often: what the group keeps of it comes back after Redis
+lost it (a restart without persistence) or another rank's process reset the keys."""
+ABANDONED_KEPT = 64
+"""Entries the rank gave up on whose votes it sends again with each report, so that a group
+that lost its keys cannot read this rank's progress past them as releases."""
+
+
+class GroupVoter:
+    """Votes and reports of one rank of a group of ``nranks`` (member ``rank % nranks`` of
+    group ``rank // nranks``, as FastDeploy numbers ``rank_id`` across data-parallel groups)."""
+
+    def __init__(self, bridge: Layer0Bridge, group: GroupQueue, nranks: int, interval_s: float) -> None:
+        self.bridge = bridge
+        self.group = group
+        self.nranks = nranks
+        self.member = bridge.rank % nranks
+        self.keys = bridge.buffer.protocol.keys.group(bridge.instance, bridge.rank // nranks)
+        self.interval_s = interval_s
+        self.token = new_token()
+        """This process, to the group: a new token tells the group that the ranks started again."""
+        self.unreachable = False
+        """The last call failed: give-ups wait for Redis (releases do not)."""
+        self._reported: int | None = None
+        """The ``handled`` the group last heard from this rank (None: nothing heard yet)."""
+        self._reported_at = 0.0
+        self._abandoned: collections.deque[int] = collections.deque(maxlen=ABANDONED_KEPT)
+        self._thread = threading.Thread(target=self._run, name="rls-group", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.step()
+            except Exception as exc:  # Redis unreachable or a bug: logged once, tried again
+                self._failed(exc)
+            if self.bridge._closed.wait(self.interval_s):
+                return
+
+    def step(self) -> None:
+        """Give up on the head if it is due, then send the votes and the report, if any, and
+        settle the outcomes the group has decided."""
+        bridge = self.bridge
+        with bridge._lock:
+            seq = self.group.give_up(time.monotonic())
+            votes = self.group.voting()
+            handled = self.group.handled
+        if seq is not None:
+            logger.warning(
+                "%s/%d: layer-0 entry %d waited %gs for its task: asking the tensor-parallel group to give it up",
+                bridge.instance,
+                bridge.rank,
+                seq,
+                self.group.give_up_s,
+            )
+        due = time.monotonic() - self._reported_at >= REFRESH_S
+        if not votes and handled == self._reported and not due:
+            return
+        protocol = bridge.buffer.protocol
+        sent = [*votes, *self._abandoned]
+        prepared = protocol.group(self.keys, self.nranks, self.member, self.token, handled, sent)
+        answer = bridge.buffer.group(prepared)
+        if self.unreachable:
+            logger.warning("%s/%d: the tensor-parallel group's keys answer again", bridge.instance, bridge.rank)
+        self.unreachable = False
+        if answer.reset and self._reported is not None:
+            logger.warning(
+                "%s/%d: another process of this rank started in the tensor-parallel group: its keys were reset",
+                bridge.instance,
+                bridge.rank,
+            )
+        self._reported, self._reported_at = handled, time.monotonic()
+        with bridge._lock:
+            for voted, outcome in zip(votes, answer.outcomes, strict=False):
+                if outcome == Outcome.ABANDONED:
+                    self._abandoned.append(voted)
+                bridge._settle_group(self.group.decided(voted, Outcome(outcome)), self.group.next_seq)
+
+    def _failed(self, exc: Exception) -> None:
+        bridge = self.bridge
+        if bridge._closed.is_set():
+            return  # the bridge closed (its buffer too, maybe) while this call was on its way
+        with bridge._lock:
+            bridge._errors["group"] += 1
+        if not self.unreachable:
+            logger.warning(
+                "%s/%d: the tensor-parallel group's keys cannot be reached (%s: %s): releases go on, "
+                "giving up on an entry waits until Redis answers",
+                bridge.instance,
+                bridge.rank,
+                type(exc).__name__,
+                exc,
+            )
+        self.unreachable = True
