@@ -6,8 +6,11 @@ redis_layer_signals/fastdeploy/tp.py; figures: benchmarks/results/tp.md)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +27,7 @@ from redis_layer_signals.fastdeploy.tp_rules import (
     ready_split_rule,
 )
 from redis_layer_signals.fastdeploy.tp_workloads import WORKLOADS, Pause, Request, Step, Tasks, Workload
-from tests.servers import RedisServer
+from tests.servers import RedisServer, rls
 from tests.tp_fixture import FixtureRule
 
 RACY = ("mixed_message", "chunked_prefill", "slot_reuse")
@@ -79,7 +82,7 @@ def test_a_group_whose_ranks_queue_different_batches_is_reported_deadlocked_not_
     assert outcome.sequences == ((((5, 128), (6, 128)),), (((5, 128),), ((6, 128),)))
     assert outcome.deadlocked and not outcome.identical and not outcome.agreed
     # Rank 0 waits to report its second task while rank 1 waits to begin its second batch.
-    assert outcome.stuck == ("finish_send_cache_barrier", "begin_send_cache_barrier")
+    assert outcome.stuck == (("finish_send_cache_barrier",), ("begin_send_cache_barrier",))
     assert outcome.sent == {"r5"} and outcome.lost == {"r6"}
 
 
@@ -119,12 +122,16 @@ def test_the_8035_rule_still_diverges() -> None:
 # -- the bridge ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "real"])
-def bridge_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
+def url_of(backend: str, request: pytest.FixtureRequest) -> str:
+    if backend == "memory":
         return f"memory://{uuid.uuid4().hex}"
     server: RedisServer = request.getfixturevalue("redis_server")
     return server.url
+
+
+@pytest.fixture(params=["memory", "real"])
+def bridge_url(request: pytest.FixtureRequest) -> str:
+    return url_of(str(request.param), request)
 
 
 @bridge_pending
@@ -138,3 +145,58 @@ def test_the_bridge_never_deadlocks_and_every_rank_queues_the_same_batches(bridg
     ]
     assert all(o.agreed for o in outcomes), report(outcomes)
     assert all(o.sent == o.expected for o in outcomes), report(outcomes)
+
+
+# -- rls simulate --tp ---------------------------------------------------------------------------
+
+
+def simulate_tp(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "tp.json"
+    done = rls("simulate", "--tp", *args, "--requests", "16", "--layers", "2", "--json", str(out))
+    return done, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_simulate_tp_with_fastdeploy_s_in_process_fix_reports_groups_that_disagree(tmp_path: Path) -> None:
+    done, figures = simulate_tp(tmp_path, "2", "--mode", "local", "--early-share", "0.5", "--instances", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "did not agree" in done.stderr
+    groups = figures["instances"]
+    assert len(groups) == 2 and not figures["ok"]
+    assert any(g["deadlocked"] or not g["identical_sequences"] for g in groups), groups
+    assert all(len(g["batches_per_rank"]) == 2 for g in groups)
+
+
+@bridge_pending
+@pytest.mark.parametrize(("backend", "nranks"), [("memory", "2"), ("real", "4")])
+def test_simulate_tp_with_the_bridge_reports_every_group_agreed(
+    tmp_path: Path, request: pytest.FixtureRequest, backend: str, nranks: str
+) -> None:
+    url = url_of(backend, request)
+    done, figures = simulate_tp(tmp_path, nranks, "--redis", url, "--namespace", f"tp{uuid.uuid4().hex[:8]}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"every group of {nranks} ranks agreed" in done.stdout
+    assert figures["ok"] and all(g["agreed"] and not g["deadlocked"] for g in figures["instances"])
+    assert all(len(set(g["batches_per_rank"])) == 1 for g in figures["instances"])
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (("--tp", "9"), 2, "--tp"),
+        (("--tp", "2", "--mode", "drop"), 1, "mode"),
+        (("--tp", "2", "--chaos"), 2, "--tp runs without --chaos"),
+    ],
+    ids=["too-many-ranks", "drop-mode", "with-chaos"],
+)
+def test_simulate_tp_refuses_what_it_cannot_run_naming_the_option(args: tuple[str, ...], code: int, says: str) -> None:
+    done = rls("simulate", *args, "--requests", "1")
+    assert done.returncode == code, done.stdout + done.stderr
+    assert says in done.stderr
+    assert "OK" not in done.stdout
+
+
+def test_simulate_help_describes_tp() -> None:
+    done = rls("simulate", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "--tp" in text and "tensor-parallel group" in text and "barrier" in text

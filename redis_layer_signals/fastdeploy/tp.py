@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .signals import KV_SIGNAL_LENGTH, NO_SIGNAL, encode_kv_signal
+from .signals import KV_SIGNAL_LENGTH, NO_SIGNAL, SIGNAL_LAYER, encode_kv_signal
 from .tp_workloads import AwaitFinished, Pause, Step, Tasks, Workload
 
 Batch = tuple[tuple[int, int], ...]
@@ -63,28 +63,30 @@ class GroupState:
         self.broken: str | None = None
         """The barrier whose wait timed out first: the group deadlocked there."""
         self.barriers = {name: threading.Barrier(nranks, timeout=barrier_timeout_s) for name in BARRIERS}
-        self.waiting: list[str | None] = [None] * nranks
-        """Per rank, the barrier it waits on now."""
-        self.stuck: tuple[str | None, ...] = ()
-        """Per rank, the barrier it waited on when the group deadlocked."""
+        self.waiting: list[set[str]] = [set() for _ in range(nranks)]
+        """Per rank, the barriers its threads wait on now."""
+        self.stuck: tuple[tuple[str, ...], ...] = ()
+        """Per rank, the barriers its threads waited on when the group deadlocked."""
         self._lock = threading.Lock()
 
     def wait(self, name: str, rank: int) -> None:
         """Wait on a group barrier; a timeout marks the group deadlocked and ends every loop."""
         if self.over.is_set():
             raise Stopped
-        self.waiting[rank] = name
+        with self._lock:
+            self.waiting[rank].add(name)
         try:
             self.barriers[name].wait()
         except threading.BrokenBarrierError:
             with self._lock:
                 if not self.over.is_set() and self.broken is None:
                     self.broken = name
-                    self.stuck = tuple(self.waiting)
+                    self.stuck = tuple(tuple(sorted(names)) for names in self.waiting)
             self.end()
             raise Stopped from None
         finally:
-            self.waiting[rank] = None
+            with self._lock:
+                self.waiting[rank].discard(name)
 
     def end(self) -> None:
         self.over.set()
@@ -173,8 +175,8 @@ class RankIO:
             raise Stopped
 
     def get_output_kv_signal(self, buffer: np.ndarray[Any, Any]) -> None:
-        """Fill ``buffer`` as FastDeploy's op does: the next GPU message after this rank's
-        jitter, or ``tasks_count`` -1 when none came within the poll."""
+        """Fill ``buffer`` as FastDeploy's op does: the next GPU message (a layer-0 one after
+        this rank's jitter), or ``tasks_count`` -1 when none came within the poll."""
         self._check()
         self._signal_in_hand = False
         try:
@@ -183,7 +185,8 @@ class RankIO:
             buffer[0] = NO_SIGNAL
             return
         self._signal_in_hand = True
-        time.sleep(self._consumer_jitter.uniform(0, self._max_jitter_s))
+        if message[1] == SIGNAL_LAYER:  # later layers only advance progress: no race there
+            time.sleep(self._consumer_jitter.uniform(0, self._max_jitter_s))
         buffer[:] = message
 
     def get_cache_info(self) -> list[dict[str, Any]]:
@@ -252,9 +255,9 @@ class GroupOutcome:
     """Per rank, every batch it queued for its sender, in order."""
     broken: str | None
     """The barrier whose wait timed out first (the group deadlocked), None if none did."""
-    stuck: tuple[str | None, ...]
-    """Per rank, the barrier it waited on when the group deadlocked (None: it waited for
-    work, or the group did not deadlock)."""
+    stuck: tuple[tuple[str, ...], ...]
+    """Per rank, the barriers its threads waited on when the group deadlocked (none: it
+    waited for work); empty when the group did not deadlock."""
     stalled: bool
     """The run ended at its timeout with requests unsent, no barrier broken."""
     expected: frozenset[str]
@@ -306,15 +309,21 @@ class GroupOutcome:
 
     def describe(self) -> str:
         """One line for logs and assertion messages."""
-        where = ", ".join(f"rank {r} at {b}" for r, b in enumerate(self.stuck) if b)
+        where = "; ".join(f"rank {r} at {', '.join(names)}" for r, names in enumerate(self.stuck) if names)
         state = f"deadlocked ({where})" if self.broken else ("stalled" if self.stalled else "ran through")
         batches = "/".join(str(len(s)) for s in self.sequences)
         return (
             f"{self.rule} {self.workload} TP{self.nranks} seed {self.seed}: {state}, "
             f"{'identical' if self.identical else 'divergent'} sequences ({batches} batches), "
-            f"sent {len(self.sent)}/{len(self.expected)}, lost {sorted(self.lost)}, "
-            f"sent twice {sorted(self.sent_twice)}, errors {len(self.errors)}"
+            f"sent {len(self.sent)}/{len(self.expected)}, lost {_few(self.lost)}, "
+            f"sent twice {_few(self.sent_twice)}, errors {len(self.errors)}"
         )
+
+
+def _few(names: frozenset[str], shown: int = 4) -> str:
+    ordered = sorted(names)
+    more = f" and {len(ordered) - shown} more" if len(ordered) > shown else ""
+    return f"{ordered[:shown]}{more}"
 
 
 def run_group(
