@@ -28,7 +28,7 @@ BLOCK_SIZE = 64
 """Tokens per KV block in the cache_infos (FastDeploy's default)."""
 MAX_SLOTS = 512
 """Engine slots of an instance: aborted requests stop taking spare slots there."""
-PAUSE_S = 0.06
+PAUSE_S = 0.2
 """A pause long enough that every rank, jitter included, handled what came before."""
 RACE_S = 0.02
 """A pause after a task's halves that lets the GPU's next message race the registration: the
