@@ -24,6 +24,7 @@ import random
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -290,8 +291,8 @@ class GroupOutcome:
         """Requests some rank finished twice, or sent a chunk of twice."""
         twice: set[str] = set()
         for finished, writes in zip(self.finished, self.writes, strict=True):
-            twice |= {rid for rid in finished if finished.count(rid) > 1}
-            twice |= {rid for rid, tokens in writes if writes.count((rid, tokens)) > 1}
+            twice |= {rid for rid, times in Counter(finished).items() if times > 1}
+            twice |= {rid for (rid, _tokens), times in Counter(writes).items() if times > 1}
         return frozenset(twice)
 
     @property

@@ -148,9 +148,12 @@ def chunked_prefill() -> Workload:
 
 
 def several_slots() -> Workload:
-    """Six slots in one message, half registered just before it, half just after."""
+    """Six slots in one message, half of them registering while it comes, half just after."""
     reqs = [Request(f"s{i}", i, 128 + 64 * (i % 2)) for i in range(6)]
-    return _workload("several_slots", [Tasks(tuple(reqs[:3])), _step(*((r, 0) for r in reqs)), Tasks(tuple(reqs[3:]))])
+    return _workload(
+        "several_slots",
+        [Tasks(tuple(reqs[:3])), Pause(RACE_S), _step(*((r, 0) for r in reqs)), Tasks(tuple(reqs[3:]))],
+    )
 
 
 def aborted_request() -> Workload:
