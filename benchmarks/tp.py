@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=5, help="Seeds 0..N-1 per workload and TP size.")
     parser.add_argument("--redis", default="", help="Also run the bridge on this Redis (redis://...).")
     parser.add_argument("--json", type=Path, default=None, help="Write every run's outcome here.")
+    parser.add_argument("--only", default="", help="Run only the rules whose label contains this (e.g. bridge).")
     args = parser.parse_args()
     rules: list[tuple[str, Rule]] = [
         ("pre-8034, FastDeploy's structure (fixture)", FixtureRule()),
@@ -42,6 +43,7 @@ def main() -> int:
     ]
     if args.redis:
         rules.append(("bridge, redis-server", bridge_rule(args.redis, f"tp-{uuid.uuid4().hex[:8]}")))
+    rules = [(label, rule) for label, rule in rules if args.only in label]
     print(f"Layer0Bridge takes nranks: {bridge_accepts_nranks()}", file=sys.stderr)
     rows, everything = [], []
     for label, rule in rules:
