@@ -203,8 +203,25 @@ def simulate_command(
         bool,
         typer.Option("--yes", help="Let --chaos break a server this run did not start (--redis other than memory://)."),
     ] = False,
+    tp: Annotated[
+        int | None,
+        typer.Option(
+            "--tp",
+            min=1,
+            max=8,
+            show_default=False,
+            help="Instead: each instance is a tensor-parallel group of N ranks (replaces --ranks), FastDeploy's "
+            "cache messager on every rank, all fed the same GPU messages and cache tasks with a jitter of their "
+            "own, sharing its send and task barriers; checks that each group agreed (every rank queued the same "
+            "batches, no barrier timed out, every request sent once). --mode redis runs the bridge, local "
+            "FastDeploy's in-process fix. A barrier wait longer than --hang-timeout-s counts as a deadlock.",
+        ),
+    ] = None,
 ) -> None:
     """A PD deployment in miniature: proves every layer of every chunk is sent exactly once."""
+    if tp is not None and (chaos or chaos_outage is not None):
+        err.print("--tp runs without --chaos and --chaos-outage", markup=False)
+        raise typer.Exit(EXIT_USAGE)
     harm = foreign_faults(redis) if chaos and chaos_outage is None else None
     if harm is not None and not yes:
         err.print(
@@ -235,6 +252,9 @@ def simulate_command(
         timeout_s=timeout_s,
         seed=seed,
     )
+    if tp is not None:  # see simulate/tp.py
+        tp_run(config, tp, json_path)
+        return
     if chaos:  # --chaos: see simulate/chaos.py
         summary, faults = run_with_chaos(config, chaos_interval_s, chaos_fsync, run_simulation, chaos_fault)
         out.print(f"chaos on {faults.target}: {len(faults.faults)} faults ({', '.join(sorted(set(faults.faults)))})")
@@ -265,6 +285,31 @@ def run_simulation(config: SimConfig, on_progress: Callable[[int], None] | None 
                 on_progress(n)
 
         return simulate(config, tick)
+
+
+def tp_run(config: SimConfig, tp: int, json_path: Path | None) -> None:
+    """``simulate --tp``: each instance a TP group sharing FastDeploy's barriers."""
+    from .simulate.tp import check_tp, simulate_tp, tp_table
+
+    check_tp(config, tp)
+    preflight(config)
+    with _progress() as progress:
+        task = progress.add_task(f"simulate --tp {tp} --mode {config.mode.value}", total=config.instances)
+        report = simulate_tp(config, tp, lambda n: progress.advance(task, n))
+    out.print(tp_table(report))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if problems := report.problems():
+        err.print(f"[red]FAILED[/red]: {len(problems)} of {len(report.groups)} group(s) did not agree")
+        for line in clip(problems):
+            err.print(f"  - {line}", markup=False)
+        if not report.bridge_takes_nranks and config.mode is Mode.REDIS:
+            err.print("  (this release's Layer0Bridge has no nranks: each rank decides by its own race)", markup=False)
+        raise typer.Exit(EXIT_FAILED)
+    out.print(
+        f"[green]OK[/green]: every group of {tp} ranks agreed: identical batch sequences on every rank, "
+        "no barrier timed out, every request sent once"
+    )
 
 
 def outage_run(

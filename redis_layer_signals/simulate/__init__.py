@@ -6,7 +6,8 @@ a delay, so a share of them arrive after the request's first layer-0 signal; sen
 layer's new blocks and finish the request. Every request is then checked: every layer of every
 chunk sent exactly once, nothing sent for the wrong request, every slot released, no key left.
 The same deployment runs on the pre-fix behaviour (``drop``) and FastDeploy's process-local
-fix (``local``) to show what each loses.
+fix (``local``) to show what each loses. With ``--tp N`` (``simulate.tp``) each instance is a
+tensor-parallel group of N ranks sharing FastDeploy's barriers, checked for agreement instead.
 """
 
 from .config import Mode, SimConfig
