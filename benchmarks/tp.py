@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from redis_layer_signals.fastdeploy.tp import GroupOutcome, Rule, run_group
 from redis_layer_signals.fastdeploy.tp_rules import (
     all_pending_rule,
-    bridge_accepts_nranks,
     bridge_rule,
     ready_split_rule,
 )
@@ -39,12 +38,15 @@ def main() -> int:
         ("pre-8034, FastDeploy's structure (fixture)", FixtureRule()),
         ("pre-8034, model", ready_split_rule()),
         ("8035, model", all_pending_rule()),
+        (
+            "bridge told nranks=1 (each rank alone), memory://",
+            bridge_rule(f"memory://{uuid.uuid4().hex}", f"tp-{uuid.uuid4().hex[:8]}", grouped=False),
+        ),
         ("bridge, memory://", bridge_rule(f"memory://{uuid.uuid4().hex}", f"tp-{uuid.uuid4().hex[:8]}")),
     ]
     if args.redis:
         rules.append(("bridge, redis-server", bridge_rule(args.redis, f"tp-{uuid.uuid4().hex[:8]}")))
     rules = [(label, rule) for label, rule in rules if args.only in label]
-    print(f"Layer0Bridge takes nranks: {bridge_accepts_nranks()}", file=sys.stderr)
     rows, everything = [], []
     for label, rule in rules:
         started = time.monotonic()

@@ -303,8 +303,6 @@ def tp_run(config: SimConfig, tp: int, json_path: Path | None) -> None:
         err.print(f"[red]FAILED[/red]: {len(problems)} of {len(report.groups)} group(s) did not agree")
         for line in clip(problems):
             err.print(f"  - {line}", markup=False)
-        if not report.bridge_takes_nranks and config.mode is Mode.REDIS:
-            err.print("  (this release's Layer0Bridge has no nranks: each rank decides by its own race)", markup=False)
         raise typer.Exit(EXIT_FAILED)
     out.print(
         f"[green]OK[/green]: every group of {tp} ranks agreed: identical batch sequences on every rank, "

@@ -23,7 +23,6 @@ from redis_layer_signals.fastdeploy.tp_rules import (
     ModelRule,
     ReadySplit,
     all_pending_rule,
-    bridge_accepts_nranks,
     bridge_rule,
     ready_split_rule,
 )
@@ -39,12 +38,6 @@ QUICK_TIMEOUT_S = 0.5
 SAFE_TIMEOUT_S = 2.0
 """Barrier timeout of the runs that must not deadlock: far above any wait of a healthy group,
 on a loaded machine too."""
-
-bridge_pending = pytest.mark.xfail(
-    not bridge_accepts_nranks(),
-    reason="Layer0Bridge does not take nranks yet: each rank decides by its own race",
-    strict=False,
-)
 
 
 def runs(rule: Rule, workloads: Sequence[str], seeds: Sequence[int], barrier_timeout_s: float) -> list[GroupOutcome]:
@@ -139,7 +132,6 @@ def bridge_url(request: pytest.FixtureRequest) -> str:
     return url_of(str(request.param), request)
 
 
-@bridge_pending
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_the_bridge_never_deadlocks_and_every_rank_queues_the_same_batches(bridge_url: str, nranks: int) -> None:
     rule = bridge_rule(bridge_url, f"tp-{uuid.uuid4().hex[:8]}")
@@ -192,7 +184,6 @@ def test_simulate_tp_with_fastdeploy_s_in_process_fix_reports_groups_that_disagr
     assert all(len(g["batches_per_rank"]) == 2 for g in groups)
 
 
-@bridge_pending
 @pytest.mark.parametrize(("backend", "nranks"), [("memory", "2"), ("real", "4")])
 def test_simulate_tp_with_the_bridge_reports_every_group_agreed(
     rls: Callable[..., Done], tmp_path: Path, request: pytest.FixtureRequest, backend: str, nranks: str

@@ -21,7 +21,6 @@ task the batch finished. What to queue for layer 0 is the rule's (``Layer0Policy
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -258,21 +257,19 @@ def all_pending_rule() -> ModelRule:
     return ModelRule("8035 (model)", lambda _io, _group: AllPending())
 
 
-def bridge_accepts_nranks() -> bool:
-    """Does this release's ``Layer0Bridge`` take ``nranks`` (a group that agrees)?"""
-    return "nranks" in inspect.signature(Layer0Bridge.__init__).parameters
-
-
-def bridge_rule(url: str, namespace: str, pending_ttl_s: float = 1.0, **bridge_options: Any) -> ModelRule:
+def bridge_rule(
+    url: str, namespace: str, pending_ttl_s: float = 1.0, *, grouped: bool = True, **bridge_options: Any
+) -> ModelRule:
     """``Layer0Bridge`` on ``url``, each rank with a client of its own, as separate processes
-    would have; ``nranks`` passed when the bridge takes it. A short ``pending_ttl_s`` lets a
-    group give up an aborted request's signal within a test's time."""
+    would have, told the group's size (``nranks``). ``grouped=False`` builds each rank's bridge
+    as if it were alone (``nranks=1``): the single-rank rule, which races at TP > 1, for the
+    benchmark's comparison. A short ``pending_ttl_s`` lets a group give up an aborted request's
+    signal within a test's time."""
 
     def policy(io: RankIO, group: str) -> Layer0Policy:
         buffer = SignalBuffer.from_url(url, namespace=namespace, pending_ttl_s=pending_ttl_s)
         options = dict(bridge_options)
-        if bridge_accepts_nranks():
-            options["nranks"] = io.nranks
+        options["nranks"] = io.nranks if grouped else 1
         try:
             bridge = Layer0Bridge(buffer, group, io.rank, num_layers=io.layers, ready=io.ready, **options)
         except BaseException:

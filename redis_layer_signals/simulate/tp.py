@@ -26,7 +26,7 @@ from rich.table import Table
 
 from ..errors import InvalidConfig
 from ..fastdeploy.tp import DEFAULT_BARRIER_TIMEOUT_S, DEFAULT_TIMEOUT_S, GroupOutcome, Rule, run_group
-from ..fastdeploy.tp_rules import bridge_accepts_nranks, bridge_rule, ready_split_rule
+from ..fastdeploy.tp_rules import bridge_rule, ready_split_rule
 from ..fastdeploy.tp_workloads import random_workload
 from .config import Mode, SimConfig
 
@@ -45,7 +45,6 @@ class TpReport:
     seed: int
     groups: list[GroupOutcome]
     elapsed_s: float
-    bridge_takes_nranks: bool
 
     @property
     def ok(self) -> bool:
@@ -57,7 +56,6 @@ class TpReport:
             "tp": self.tp,
             "seed": self.seed,
             "elapsed_s": round(self.elapsed_s, 3),
-            "bridge_takes_nranks": self.bridge_takes_nranks,
             "ok": self.ok,
             "instances": [
                 {
@@ -140,7 +138,6 @@ def simulate_tp(config: SimConfig, tp: int, progress: Callable[[int], None] | No
         seed=config.seed,
         groups=[outcomes[i] for i in range(config.instances)],
         elapsed_s=time.monotonic() - started,
-        bridge_takes_nranks=bridge_accepts_nranks(),
     )
 
 
