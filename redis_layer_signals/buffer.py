@@ -94,6 +94,11 @@ class SignalBuffer(BufferBase):
         token within ``retry_s``."""
         return self._execute(prepared)
 
+    def execute(self, prepared: Prepared[T]) -> T:
+        """Run a call prepared outside ``protocol`` (the FastDeploy bridge's identity claim),
+        with the retries, library loading and checks of every call."""
+        return self._execute(prepared)
+
     # -- reads -----------------------------------------------------------------------------
 
     @whole_call

@@ -363,7 +363,8 @@ def test_stale_holder_left_by_an_earlier_process_never_receives_the_new_requests
     FastDeploy's sender of the new process does not know. The new process owns the rank: its
     state wins (the stale holder is removed, counted as overridden), and its early signal on
     that slot waits for its own request, which gets it."""
-    buffer, _bridge = rig
+    buffer, earlier = rig
+    earlier.close()  # the earlier process stops, giving its identity up
     buffer.register(CacheTask("p0", 0, 5, "req-dead", need_prefill_tokens=300, num_layers=LAYERS))
     bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS)
     try:
