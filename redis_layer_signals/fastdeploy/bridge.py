@@ -375,7 +375,9 @@ class Layer0Bridge:
             batch = [(task.slot, tokens)]
             self.ready.put(batch)
         if self.logger.isEnabledFor(logging.DEBUG):
-            self.logger.debug("slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, tokens, task.request_id)
+            self.logger.debug(
+                "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, tokens, task.request_id
+            )
         return batch
 
     def on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
@@ -606,7 +608,10 @@ class Layer0Bridge:
             )
         elif self._refusal is not None:
             self.logger.warning(
-                "%s/%d: claimed the identity %s held (its lease ran out)", self.instance, self.rank, self._refusal.holder
+                "%s/%d: claimed the identity %s held (its lease ran out)",
+                self.instance,
+                self.rank,
+                self._refusal.holder,
             )
         keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
         client = self.buffer.client
@@ -1048,7 +1053,9 @@ class Layer0Bridge:
             first = kind not in self._logged
             self._logged.add(kind)
         if first:
-            self.logger.error("%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, exc_info=exc)
+            self.logger.error(
+                "%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, exc_info=exc
+            )
 
     def _invalid(self, operation: str, exc: InvalidSignal | InvalidTask) -> None:
         """Count bad input; log it once until the same hook succeeds again."""
