@@ -23,6 +23,7 @@ from rich.table import Table
 
 from . import __version__, admin, eviction
 from .buffer import SignalBuffer
+from .config import shared_url
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import SignalBufferError
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
@@ -71,6 +72,14 @@ RedisUrl = Annotated[
 ]
 Namespace = Annotated[str, typer.Option("--namespace", envvar="RLS_NAMESPACE", help="Namespace of the keys.")]
 JsonPath = Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON to this file.")]
+# `rls node` and `rls registrar` meet their peers through the Redis they share: no default either
+# (memory:// would be one process's, and the run would wait for peers that never come).
+SharedUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--redis", envvar="RLS_REDIS_URL", show_default=False, help="The Redis the nodes and the registrar share."
+    ),
+]
 # The operator commands have no default server: memory:// would be a fresh, empty one in this
 # process, whose zeros look like a healthy idle namespace.
 OperatorUrl = Annotated[
@@ -315,7 +324,7 @@ def _progress() -> Progress:
 @app.command("node")
 def node_command(
     instance: Annotated[str, typer.Option(help="This prefill instance's name.")],
-    redis: RedisUrl = DEFAULT_URL,
+    redis: SharedUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     mode: SimMode = SimConfig.mode,
     ranks: Ranks = SimConfig.ranks,
@@ -332,7 +341,7 @@ def node_command(
 ) -> None:
     """One simulated prefill node (its ranks) on a shared Redis; needs `rls registrar` running."""
     config = SimConfig(
-        url=redis,
+        url=shared_url(redis),
         namespace=namespace,
         mode=mode,
         ranks=ranks,
@@ -356,13 +365,13 @@ def node_command(
 
 @app.command("registrar")
 def registrar_command(
-    redis: RedisUrl = DEFAULT_URL,
+    redis: SharedUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     mode: SimMode = SimConfig.mode,
     idle_exit_s: Annotated[float, typer.Option(min=0.0, help="Exit after this long without tasks (0: never).")] = 0.0,
 ) -> None:
     """The registrar of simulated nodes: registers their cache tasks on the shared Redis."""
-    report = run_registrar(SimConfig(url=redis, namespace=namespace, mode=mode), idle_exit_s)
+    report = run_registrar(SimConfig(url=shared_url(redis), namespace=namespace, mode=mode), idle_exit_s)
     out.print(f"registrar: {report.registered} tasks registered")
 
 
