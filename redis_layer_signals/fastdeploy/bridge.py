@@ -131,6 +131,12 @@ class Layer0Bridge:
     registered, as FastDeploy's sender requires. Pass False to the bridges of a deployment whose
     adder runs in another process (see ``reference.run_adder_process``). Every method is
     safe to call from any thread, and none raises.
+
+    Where the process owns its rank, the writer claims the (instance, rank) in Redis before its
+    first write, under a lease of ``lease_s`` (see ``identity``): a second live process given
+    the same identity is refused (``IdentityTaken``, see ``claimed``) and serves its process
+    locally. The constructor makes no Redis call. ``logger``: where the bridge logs (default
+    this module's logger; ``bridge_for_messager`` passes FastDeploy's).
     """
 
     def __init__(
@@ -704,6 +710,8 @@ class Layer0Bridge:
         assert self.identity is not None
         holder = result.holder.describe() if result.holder is not None else "another process"
         error = IdentityTaken(self.instance, self.rank, holder, self.identity.me.describe())
+        if first:  # logged before anyone waiting in ``claimed`` hears of it
+            self.logger.error("%s", error)
         with self._wake:
             if self._refusal is None:
                 self._refusals += 1
@@ -711,8 +719,6 @@ class Layer0Bridge:
             self._claim = "refused"
             self._adopted = False
             self._wake.notify_all()
-        if first:
-            self.logger.error("%s", error)
 
     def _renew(self, before_write: bool) -> None:
         """Renew the claim; raises ``IdentityTaken`` when another process holds it now (this
