@@ -165,6 +165,15 @@ def test_nranks_reaches_a_bridge_that_takes_it(monkeypatch: pytest.MonkeyPatch) 
     assert seen == [4]
 
 
+@pytest.mark.parametrize("registers_tasks", [True, False])
+@pytest.mark.parametrize("value", [0, -1, 3601, True, "15"])
+def test_bad_lease_is_refused(value: Any, registers_tasks: bool) -> None:
+    buffer = SignalBuffer.from_url(f"memory://{uuid.uuid4().hex}", env={})
+    with pytest.raises(InvalidConfig) as caught:
+        Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, lease_s=value, registers_tasks=registers_tasks)
+    assert caught.value.field == "lease_s"
+
+
 # -- a start never waits for Redis ---------------------------------------------------------------
 
 

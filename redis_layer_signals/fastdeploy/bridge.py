@@ -46,7 +46,7 @@ from ..errors import IdentityTaken, InvalidConfig, InvalidSignal, InvalidTask, S
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from ..protocol import new_token
 from .health import BridgeHealth
-from .identity import DEFAULT_LEASE_S, TAKEN, TOOK, ClaimResult, IdentityClaim, release_quietly
+from .identity import DEFAULT_LEASE_S, TAKEN, TOOK, ClaimResult, IdentityClaim, lease_seconds, release_quietly
 from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, registered_by, replay
 from .local import EarlySignal, LocalState
 from .owner import OwnedRank
@@ -161,6 +161,7 @@ class Layer0Bridge:
         budget_ok = isinstance(hook_budget_ms, (int, float)) and not isinstance(hook_budget_ms, bool)
         if not budget_ok or not 0 < hook_budget_ms <= 60_000:
             raise InvalidConfig("hook_budget_ms", hook_budget_ms, "must be a number of milliseconds in (0, 60000]")
+        lease_seconds(lease_s)
         self.logger = logger if logger is not None else _module_logger
         """Where the bridge logs (FastDeploy's own logger, given by ``bridge_for_messager``)."""
         self.buffer = buffer

@@ -36,6 +36,13 @@ CLAIMED, RENEWED, TOOK, TAKEN = "claimed", "renewed", "took", "taken"
 replaced a holder proven gone, or another live process holds it (refused)."""
 
 
+def lease_seconds(value: object) -> float:
+    """A lease option, checked: a number of seconds in (0, 3600]."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
+        raise InvalidConfig("lease_s", value, "must be a number of seconds in (0, 3600]")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Owner:
     """A process as the identity key names it."""
@@ -120,11 +127,9 @@ class IdentityClaim:
     ``renewal_due`` is one call, made by the bridge's writer thread."""
 
     def __init__(self, buffer: SignalBuffer, instance: str, rank: int, token: str, lease_s: float) -> None:
-        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not 0 < lease_s <= 3600:
-            raise InvalidConfig("lease_s", lease_s, "must be a number of seconds in (0, 3600]")
         self.buffer = buffer
         self.me = this_process(token)
-        self.lease_s = float(lease_s)
+        self.lease_s = lease_seconds(lease_s)
         self.renew_s = self.lease_s / RENEWALS_PER_LEASE
         keys = buffer.protocol.keys.rank(instance, rank)
         self._keys = [keys.identity, keys.stats]
