@@ -342,6 +342,39 @@ def test_a_restart_on_the_same_host_takes_over_at_once_from_a_dead_pid(
             buffer.close()
 
 
+def test_an_identity_lost_while_running_stops_the_writes_until_it_is_claimed_again(
+    server: RedisServer, namespace: str
+) -> None:
+    """Another process took the identity (this one's lease ran out, say in a long pause): the
+    writer finds out at its next renewal, writes nothing while the other holds it, serves the
+    process locally, and once it claims the identity again writes what it decided meanwhile,
+    its own earlier writes counted once."""
+    buffer = buffer_on(server, namespace)
+    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, probe_s=0.05, lease_s=LEASE_S)
+    try:
+        assert bridge.claimed(WAIT_S)
+        assert bridge.on_cache_task(cache_info(4, "req-4")) == []
+        assert bridge.on_kv_signal(kv((5, 0, 128))) == []
+        assert bridge.flush(WAIT_S)
+        write_holder(buffer, "another-host", 4242, "", lease_ms=round(2 * LEASE_S * 1000))
+        wait_until(lambda: bridge.health().identity == "refused", WAIT_S, what="the renewal to find the other")
+        assert bridge.on_kv_signal(kv((6, 0, 64))) == []
+        assert bridge.on_cache_task(cache_info(7, "req-7", need=64)) == []
+        assert not bridge.flush(0.1)
+        assert buffer.pending("p0", 0, 6) == [] and buffer.task("p0", 0, 7) is None  # nothing written
+        wait_until(lambda: bridge.health().identity == "held", WAIT_S, what="the other's lease to run out")
+        assert bridge.flush(WAIT_S)
+        assert [s.tokens for s in buffer.pending("p0", 0, 5)] == [128]
+        assert [s.tokens for s in buffer.pending("p0", 0, 6)] == [64]
+        assert [t.request_id if (t := buffer.task("p0", 0, slot)) else None for slot in (4, 7)] == ["req-4", "req-7"]
+        stats = buffer.stats()
+        assert (stats["buffered"], stats["superseded"], stats["registered"], stats.get("overridden", 0)) == (2, 0, 2, 0)
+        assert bridge.health().identity_refusals == 1
+    finally:
+        bridge.close()
+        buffer.close()
+
+
 def test_close_gives_the_identity_up_for_the_next_process(server: RedisServer, namespace: str) -> None:
     buffer = buffer_on(server, namespace)
     first = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, lease_s=60)

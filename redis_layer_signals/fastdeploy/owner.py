@@ -298,6 +298,8 @@ class OwnedRank:
         for slot, text in pending.items():
             early = parse_stored(text)
             self._redis_pending[slot] = early
+            if self._early.get(slot) == early:
+                continue  # this process's own (it held the rank before, and claims it again)
             if slot in self._early:
                 self._changed[slot] = ("superseded", early)
                 continue
@@ -313,7 +315,11 @@ class OwnedRank:
                 continue
             self._early[slot] = early
             self._next_deadline = min(self._next_deadline, early[3])
-        for slot in holders:
+        for slot, request_id in holders.items():
+            holder = self.tasks.get(slot)
+            if holder is not None and holder.task.request_id == request_id:
+                self._redis_holder[slot] = request_id  # this process's own
+                continue
             self._redis_holder[slot] = ""  # none of this process's: found there, counted overridden
             self._changed.setdefault(slot, NO_FATE)
         self.expire(now_ms)
