@@ -193,6 +193,7 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
         "RlsBridgeDegraded",
         "RlsBridgeRanDegraded",
         "RlsBridgeErrors",
+        "RlsIdentityRefused",
         "RlsExporterCannotReachRedis",
         "RlsServerMayEvict",
         "RlsServerEvictedKeys",
