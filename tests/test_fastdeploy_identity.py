@@ -369,7 +369,7 @@ def test_an_identity_lost_while_running_stops_the_writes_until_it_is_claimed_aga
         assert [t.request_id if (t := buffer.task("p0", 0, slot)) else None for slot in (4, 7)] == ["req-4", "req-7"]
         stats = buffer.stats()
         assert (stats["buffered"], stats["superseded"], stats["registered"], stats.get("overridden", 0)) == (2, 0, 2, 0)
-        assert bridge.health().identity_refusals == 1
+        assert bridge.health().identity_refusals == 1 and stats["identity_refused"] == 1
     finally:
         bridge.close()
         buffer.close()

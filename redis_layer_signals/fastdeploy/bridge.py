@@ -685,7 +685,7 @@ class Layer0Bridge:
         bridge writes nothing, serves its process locally and claims again every third of the
         lease. Unanswered, it counts as an outage, and tries again every ``probe_s``."""
         assert self.identity is not None
-        refused = False
+        refused = self._refusal is not None  # lost while running: counted and logged already
         while not self._closed.is_set():
             try:
                 result = self.identity.claim(count_refusal=not refused)
@@ -719,6 +719,11 @@ class Layer0Bridge:
             self._refusal = error
             self._claim = "refused"
             self._adopted = False
+            if self._degraded_since is not None and self.owned is not None:
+                # Redis answers (it refused): the outage is over; counted with the next batch.
+                seconds, calls, _entries = self._end_episode()
+                self.owned.counts[STATS_DEGRADED_MS] += max(1, round(seconds * 1000))
+                self.owned.counts[STATS_SERVED_LOCALLY] += calls
             self._wake.notify_all()
 
     def _renew(self, before_write: bool) -> None:
