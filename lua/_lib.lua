@@ -2,7 +2,7 @@
 -- _lib.lua: the start of the rls_v2 Functions library, the helpers every function shares.
 --
 -- redis_layer_signals/scripts.py joins this file and record.lua, register.lua, finish.lua,
--- sweep.lua, apply.lua and group.lua (then permissions.lua and digest.lua), in that order, into one library, loaded
+-- sweep.lua, apply.lua, group.lua and claim.lua (then permissions.lua and digest.lua), in that order, into one library, loaded
 -- once per server with FUNCTION LOAD and called with FCALL rls_v2_<operation>_<digest> (see
 -- DIGEST below). The "v2" in both names is the library's version: a
 -- release that changes what a function does loads under a new name, so two client releases
@@ -29,6 +29,8 @@
 --   ended    hash    "<slot>" -> "<finished at ms>|<request id>": the slot's latest finish
 --                    (finish.lua writes it, a replayed record reads it)
 --   writer   string  "<batch>|<reply>": the last batch one bridge process applied (apply.lua)
+--   identity string  "<token>|<host>|<pid>|<pid namespace>|<claimed at ms>": the bridge
+--                    process that owns the rank, under a lease (claim.lua)
 --
 -- group.lua alone uses the keys of one tensor-parallel group of an instance, under the hash tag
 -- {namespace/instance/tp<group>}: members, votes and outcomes (see its header).

@@ -11,6 +11,7 @@ from .config import BufferConfig
 from .errors import (
     BufferUnavailable,
     EvictingServer,
+    IdentityTaken,
     InvalidConfig,
     InvalidSignal,
     InvalidTask,
@@ -31,6 +32,7 @@ __all__ = [
     "DropReason",
     "EvictingServer",
     "FinishResult",
+    "IdentityTaken",
     "InvalidConfig",
     "InvalidSignal",
     "InvalidTask",

@@ -19,7 +19,7 @@ from .keys import PENDING_LAYERS
 from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .owed import OwedFinish
 from .permissions import ServerRefused, from_server, refused
-from .protocol import Applied, GroupAnswer, Prepared, ScriptCall
+from .protocol import Applied, Prepared, ScriptCall
 from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
 from .retry import RETRYABLE, Attempts, cut_by_deadline
 from .scripts import FUNCTIONS, LibraryMissing, ensure_library, function_missing
@@ -95,9 +95,10 @@ class SignalBuffer(BufferBase):
         token within ``retry_s``."""
         return self._execute(prepared)
 
-    def group(self, prepared: Prepared[GroupAnswer]) -> GroupAnswer:
-        """Run a prepared ``group`` call (the FastDeploy bridge's tensor-parallel votes);
-        resent with the same arguments within ``retry_s`` (it is idempotent)."""
+    def execute(self, prepared: Prepared[T]) -> T:
+        """Run a call the FastDeploy bridge prepared (its identity claim, its group's votes),
+        with the retries, library loading and checks of every call; each is idempotent, so a
+        resend within ``retry_s`` is safe."""
         return self._execute(prepared)
 
     # -- reads -----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from rich.table import Table
 from . import __version__, admin, eviction
 from .buffer import SignalBuffer
 from .cli_help import HelpTyper
+from .config import shared_url
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import BufferUnavailable, SignalBufferError
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
@@ -83,6 +84,18 @@ Namespace = Annotated[
 ]
 JsonPath = Annotated[
     Path | None, typer.Option("--json", metavar="file", help="Also write the figures as JSON to this file.")
+]
+# `rls node` and `rls registrar` meet their peers through the Redis they share: no default either
+# (memory:// would be one process's, and the run would wait for peers that never come).
+SharedUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--redis",
+        envvar="RLS_REDIS_URL",
+        metavar="url",
+        show_default=False,
+        help="The Redis the nodes and the registrar share (memory:// only within one process).",
+    ),
 ]
 # The operator commands have no default server: memory:// would be a fresh, empty one in this
 # process, whose zeros look like a healthy idle namespace.
@@ -381,7 +394,7 @@ def _progress() -> Progress:
 @app.command("node")
 def node_command(
     instance: Annotated[str, typer.Option(metavar="name", help="This prefill instance's name.")],
-    redis: RedisUrl = DEFAULT_URL,
+    redis: SharedUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     mode: SimMode = SimConfig.mode,
     ranks: Ranks = SimConfig.ranks,
@@ -398,7 +411,7 @@ def node_command(
 ) -> None:
     """One simulated prefill node (its ranks) on a shared Redis; needs `rls registrar` running."""
     config = SimConfig(
-        url=redis,
+        url=shared_url(redis),
         namespace=namespace,
         mode=mode,
         ranks=ranks,
@@ -422,7 +435,7 @@ def node_command(
 
 @app.command("registrar")
 def registrar_command(
-    redis: RedisUrl = DEFAULT_URL,
+    redis: SharedUrl = None,
     namespace: Namespace = DEFAULT_NAMESPACE,
     mode: SimMode = SimConfig.mode,
     idle_exit_s: Annotated[
@@ -430,7 +443,7 @@ def registrar_command(
     ] = 0.0,
 ) -> None:
     """The registrar of simulated nodes: registers their cache tasks on the shared Redis."""
-    report = run_registrar(SimConfig(url=redis, namespace=namespace, mode=mode), idle_exit_s)
+    report = run_registrar(SimConfig(url=shared_url(redis), namespace=namespace, mode=mode), idle_exit_s)
     out.print(f"registrar: {report.registered} tasks registered")
 
 

@@ -103,6 +103,25 @@ class BufferConfig:
         }
 
 
+URL_VARIABLE = ENV_PREFIX + "REDIS_URL"
+SHARED_URL_HINT = f"set {URL_VARIABLE} to the shared Redis, or {URL_VARIABLE}=memory:// for a private in-process buffer"
+
+
+def shared_url(url: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The URL given, else ``RLS_REDIS_URL``. Neither is refused (``InvalidConfig`` naming the
+    variable): the default ``memory://`` would be a buffer private to this process, which a
+    deployment's other processes never see, and nothing would say so. An explicit
+    ``memory://`` is accepted (tests, the demo)."""
+    if url is not None and url.strip():
+        return url
+    value = (os.environ if env is None else env).get(URL_VARIABLE, "")
+    if value.strip():
+        return value
+    raise InvalidConfig(
+        URL_VARIABLE, None, f"not set, and the default memory:// is private to this process: {SHARED_URL_HINT}"
+    )
+
+
 _ENV_FIELDS: dict[str, Any] = {
     "namespace": str,
     "url": str,

@@ -41,8 +41,11 @@ COUNTERS = (
     "degraded_ms",
     "served_locally",
     "reconciled",
+    # Added by a FastDeploy bridge refused its identity (fastdeploy/identity.py, lua/claim.lua).
+    "identity_refused",
 )
 """Counters a namespace reports. ``buffered`` signals end as recovered, dropped_*,
 finish_dropped, superseded or expired (or are still pending): invariant 1 in numbers.
 ``degraded_ms``, ``served_locally`` and ``reconciled`` count the FastDeploy bridge's outages:
-milliseconds served without Redis, hook calls served so, entries written back after."""
+milliseconds served without Redis, hook calls served so, entries written back after.
+``identity_refused`` counts bridges refused because another live process owned the rank."""

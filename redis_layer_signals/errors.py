@@ -140,3 +140,21 @@ class LibraryMismatch(SignalBufferError):
             f"this client's {ours}. Load this client's with `rls library load --replace` once no "
             "client of the other build needs it, or run the matching release"
         )
+
+
+class IdentityTaken(SignalBufferError):
+    """Another live process owns this (instance, rank): two FastDeploy messagers claim one
+    identity. The refused bridge writes nothing to Redis and serves its process locally;
+    ``holder`` and ``claimant`` say which process is which (host and pid)."""
+
+    def __init__(self, instance: str, rank: int, holder: str, claimant: str) -> None:
+        self.instance = instance
+        self.rank = rank
+        self.holder = holder
+        self.claimant = claimant
+        super().__init__(
+            f"{instance}/{rank} is owned by {holder}; refused to {claimant}: two messagers claim one "
+            "identity (same instance name and rank), so this one writes nothing to Redis and serves "
+            "its process locally. Give each prefill engine its own pod IP or host name and "
+            "engine_worker_queue_port"
+        )

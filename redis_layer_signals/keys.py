@@ -34,6 +34,11 @@ class RankKeys:
         return f"{KEY_PREFIX}:{self.tag}:writer:{token}"
 
     @property
+    def identity(self) -> str:
+        """The process that owns the rank, under a lease (lua/claim.lua)."""
+        return f"{KEY_PREFIX}:{self.tag}:identity"
+
+    @property
     def per_request(self) -> tuple[str, str, str, str]:
         """Keys that hold per-request state and must carry a TTL."""
         return (self.live, self.pending, self.expiry, self.ended)

@@ -62,6 +62,7 @@ HELP = {
     "degraded_seconds": "Time the FastDeploy bridge served its process locally while Redis was unreachable",
     "served_locally": "Calls the FastDeploy bridge served in its process while degraded",
     "reconciled": "Entries the FastDeploy bridge wrote back to Redis after an outage",
+    "identity_refused": "FastDeploy bridges refused their instance and rank: another live process owned it",
 }
 
 ENDINGS = ("recovered", "finish_dropped", "superseded", "expired")

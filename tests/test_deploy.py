@@ -92,10 +92,12 @@ def exported(redis_server: RedisServer) -> Iterator[dict[str, set[str]]]:
         buf.register(CacheTask("p0", 0, 1, "r1", need_prefill_tokens=50, num_layers=2))
         buf.finish("p0", 0, 1, "r1")
         bridge_metrics = BridgeMetrics()
-        bridge_metrics.track(Layer0Bridge(buf, "p1", 0, num_layers=2))
+        tracked = Layer0Bridge(buf, "p1", 0, num_layers=2)
+        bridge_metrics.track(tracked)
         metrics.render()  # a first scrape times the "stats" call, so its series exists too
         names = sample_labels(scrape(metrics))
         bridge = sample_labels(scrape(bridge_metrics))
+        tracked.close()  # its writer renews the identity's lease until then
     finally:
         buf.close()
     assert "rls_bridge_degraded" in bridge and not set(bridge) & set(names)
@@ -192,6 +194,7 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
         "RlsBridgeDegraded",
         "RlsBridgeRanDegraded",
         "RlsBridgeErrors",
+        "RlsIdentityRefused",
         "RlsExporterCannotReachRedis",
         "RlsServerMayEvict",
         "RlsServerEvictedKeys",

@@ -256,15 +256,18 @@ def test_bridge_follows_the_messagers_queue_attribute_when_it_is_replaced(buf: S
 
     messager = Messager()
     bridge = Layer0Bridge(buf, "p0", 0, num_layers=LAYERS, ready=lambda: messager.cache_prefilled_engine_ids_queue)
-    first = messager.cache_prefilled_engine_ids_queue
-    bridge.on_cache_task(cache_info(slot=5))
-    assert bridge.on_kv_signal(kv(0, (5, 0, 128))) == [(5, 128)]
-    assert first.get_nowait() == [(5, 128)]
-    messager.cache_prefilled_engine_ids_queue = replaced = queue.Queue()
-    assert bridge.on_kv_signal(kv(0, (5, 128, 64))) == [(5, 192)]
-    assert replaced.get_nowait() == [(5, 192)]
-    assert first.empty()
-    assert bridge.ready is replaced
+    try:
+        first = messager.cache_prefilled_engine_ids_queue
+        bridge.on_cache_task(cache_info(slot=5))
+        assert bridge.on_kv_signal(kv(0, (5, 0, 128))) == [(5, 128)]
+        assert first.get_nowait() == [(5, 128)]
+        messager.cache_prefilled_engine_ids_queue = replaced = queue.Queue()
+        assert bridge.on_kv_signal(kv(0, (5, 128, 64))) == [(5, 192)]
+        assert replaced.get_nowait() == [(5, 192)]
+        assert first.empty()
+        assert bridge.ready is replaced
+    finally:
+        bridge.close()  # its writer renews the identity's lease until then
 
 
 def test_ready_that_is_neither_a_queue_nor_callable_is_refused(buf: SignalBuffer) -> None:

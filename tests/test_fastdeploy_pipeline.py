@@ -268,6 +268,7 @@ def test_early_signal_survives_a_restart_of_the_messager(url: str, namespace: st
         first.gpu.forward([(request, 0, 300)], layers=[0])
         assert first.messager.wait_drained(WAIT_S)
         assert first.pending_layer0(5) == [300]
+        first.messager.bridge.close()  # its process exits: the identity is free for the next
     for second in make_rig(url, namespace, gpu=first.gpu):  # the engine keeps running
         second.gpu.forward([(request, 0, 300)], layers=range(1, LAYERS))
         assert second.messager.wait_drained(WAIT_S)

@@ -5,6 +5,16 @@ scripted GPU of the reference messager (``reference``, ``scripted``), never here
 """
 
 from .bridge import Batch, Layer0Bridge
+from .messager import bridge_for_messager, instance_name
 from .signals import KV_SIGNAL_LENGTH, KV_SIGNAL_MAX_TASKS, KvSignal, decode_kv_signal
 
-__all__ = ["KV_SIGNAL_LENGTH", "KV_SIGNAL_MAX_TASKS", "Batch", "KvSignal", "Layer0Bridge", "decode_kv_signal"]
+__all__ = [
+    "KV_SIGNAL_LENGTH",
+    "KV_SIGNAL_MAX_TASKS",
+    "Batch",
+    "KvSignal",
+    "Layer0Bridge",
+    "bridge_for_messager",
+    "decode_kv_signal",
+    "instance_name",
+]

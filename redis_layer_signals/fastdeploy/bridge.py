@@ -43,11 +43,12 @@ from typing import Any, Protocol, TypeVar
 from .. import eviction, replies, validation
 from ..buffer import SignalBuffer
 from ..constants import MAX_INT
-from ..errors import InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
+from ..errors import IdentityTaken, InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from ..protocol import new_token
 from .group import GroupQueue, Progress
 from .health import BridgeHealth
+from .identity import DEFAULT_LEASE_S, TAKEN, TOOK, ClaimResult, IdentityClaim, lease_seconds, release_quietly
 from .journal import FinishOp, Operation, PendingCall, RecordOp, RegisterOp, entries_in, registered_by, replay
 from .local import EarlySignal, LocalState
 from .owner import OwnedRank
@@ -55,6 +56,7 @@ from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
 from .voting import GroupVoter
 
 logger = logging.getLogger(__name__)
+_module_logger = logger
 
 Batch = list[tuple[int, int]]
 """What ``cache_prefilled_engine_ids_queue`` carries: ``[(engine_idx, prefilled_token_num)]``."""
@@ -138,6 +140,12 @@ class Layer0Bridge:
     entry, whatever each rank's timing, as the senders' shared barriers require (see
     ``group``; it needs ``registers_tasks``). Every method is safe to call from any thread,
     and none raises.
+
+    Where the process owns its rank, the writer claims the (instance, rank) in Redis before its
+    first write, under a lease of ``lease_s`` (see ``identity``): a second live process given
+    the same identity is refused (``IdentityTaken``, see ``claimed``) and serves its process
+    locally. The constructor makes no Redis call. ``logger``: where the bridge logs (default
+    this module's logger; ``bridge_for_messager`` passes FastDeploy's).
     """
 
     def __init__(
@@ -153,6 +161,8 @@ class Layer0Bridge:
         probe_s: float = DEFAULT_PROBE_S,
         hook_budget_ms: float = DEFAULT_HOOK_BUDGET_MS,
         nranks: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        logger: logging.Logger | None = None,
     ) -> None:
         validation.integer(block_size, "block_size", InvalidConfig, 1, MAX_INT)
         validation.integer(num_layers, "num_layers", InvalidConfig, 1, MAX_INT)
@@ -161,6 +171,9 @@ class Layer0Bridge:
         budget_ok = isinstance(hook_budget_ms, (int, float)) and not isinstance(hook_budget_ms, bool)
         if not budget_ok or not 0 < hook_budget_ms <= 60_000:
             raise InvalidConfig("hook_budget_ms", hook_budget_ms, "must be a number of milliseconds in (0, 60000]")
+        lease_seconds(lease_s)
+        self.logger = logger if logger is not None else _module_logger
+        """Where the bridge logs (FastDeploy's own logger, given by ``bridge_for_messager``)."""
         self.buffer = buffer
         self.instance = instance
         self.rank = rank
@@ -228,6 +241,19 @@ class Layer0Bridge:
         self._replaying = threading.Lock()
         """One writer at a time: a journaled operation is replayed once."""
         self._writer: threading.Thread | None = None
+        self.identity: IdentityClaim | None = None
+        """The claim on (instance, rank) the writer holds in Redis (``registers_tasks``): one
+        identity, one owner. See ``identity``."""
+        self._claim = "none" if not registers_tasks else "claiming"
+        """"claiming" until the writer's first claim is answered, then "held" or "refused";
+        "none" where Redis judges (several processes share the rank, none owns it)."""
+        self._refusal: IdentityTaken | None = None
+        """Why the identity is refused (another live process holds it), while it is."""
+        self._refusals = 0
+        """Refusal episodes: times the bridge found another live process holding its identity."""
+        self._adopted = False
+        """The writer claimed the identity and adopted what a predecessor left: until then the
+        hooks decide in the process, as they always do, and nothing is written."""
         self.group: GroupQueue | None = None
         """The layer-0 entries of a tensor-parallel rank (``nranks > 1``), released in the
         group's order (see ``group``); None for a rank of its own."""
@@ -237,13 +263,16 @@ class Layer0Bridge:
                 raise InvalidConfig("nranks", nranks, "above 1 needs registers_tasks=True (FastDeploy's layout)")
             self.group = GroupQueue(give_up_s=buffer.config.pending_ttl_s)
             self._voter = GroupVoter(self, self.group, nranks, interval_s=self.probe_s)
-            self._voter.start()
         if registers_tasks:
             self.owned = OwnedRank(self._pending_ttl_ms, buffer.protocol.task_ttl_ms)
             self.local.tasks = self.owned.tasks  # one map: what the sender's queue checks
-            self._adopted = self._adopted_at_start()
+            # No Redis call here: the writer claims and adopts before its first batch, so a
+            # Redis that accepts connections and never answers delays no start.
+            self.identity = IdentityClaim(buffer, instance, rank, self._writer_token, lease_s)
             self._writer = threading.Thread(target=self._write_loop, name="rls-writer", daemon=True)
             self._writer.start()
+        if self._voter is not None:
+            self._voter.start()
 
     @property
     def ready(self) -> QueueLike:
@@ -380,8 +409,10 @@ class Layer0Bridge:
                 return []
             batch = [(task.slot, tokens)]
             self.ready.put(batch)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, tokens, task.request_id)
+        if self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug(
+                "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, tokens, task.request_id
+            )
         return batch
 
     def on_task_finished(self, current_id: int, request_id: str) -> FinishResult:
@@ -411,7 +442,7 @@ class Layer0Bridge:
                     self.group.finished(current_id, request_id)
                 self._decided(operation)
             if outcome[2]:
-                logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
+                self.logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
             return _FINISHED[outcome]
         with self._lock:
             if self._degraded_since is not None:
@@ -426,7 +457,7 @@ class Layer0Bridge:
                 self._pending(exc, None)
             return FinishResult(removed=removed, dropped=dropped, fenced=fenced)  # decided here
         if result.fenced:
-            logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
+            self.logger.info("finish of %s on slot %d fenced: another request holds it", request_id, current_id)
         return result
 
     def _within_budget(self, call: Callable[[], T]) -> T:
@@ -466,6 +497,9 @@ class Layer0Bridge:
                 unwritten=self._unwritten(),
                 lag_seconds=self._lag_seconds(),
                 evicting=eviction.evicting(self.buffer.policies),
+                identity=self._claim,
+                identity_holder=self._refusal.holder if self._refusal is not None else "",
+                identity_refusals=self._refusals,
                 **self._group_health(),
             )
 
@@ -481,15 +515,35 @@ class Layer0Bridge:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until Redis holds every decision made so far (True), or ``timeout_s`` passes
-        (False). For tests, shutdown and operators; no hook ever waits for Redis."""
+        (False); False at once while another process owns the identity (nothing is written
+        then). Where the process owns its rank, also until the writer has claimed the identity
+        and adopted what a predecessor left. For tests, shutdown and operators; no hook ever
+        waits for Redis."""
         deadline = time.monotonic() + timeout_s
         with self._wake:
-            while self._unwritten():
+            while (self.owned is not None and not self._adopted) or self._unwritten():
+                left = deadline - time.monotonic()
+                if left <= 0 or self._refusal is not None:
+                    return False
+                self._wake.wait(left)
+            return True
+
+    def claimed(self, timeout_s: float) -> bool:
+        """Wait for the outcome of the identity's claim: True once this bridge owns its
+        (instance, rank) in Redis (at once where Redis judges: no process owns the rank then);
+        False when Redis gave no answer within ``timeout_s``. Raises ``IdentityTaken`` while
+        another live process holds the identity."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while True:
+                if self._refusal is not None:
+                    raise self._refusal
+                if self._claim in ("held", "none"):
+                    return True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._wake.wait(left)
-            return True
 
     def reconcile(self) -> bool:
         """Write back what was decided locally, if Redis answers; True once the bridge serves
@@ -518,6 +572,7 @@ class Layer0Bridge:
             handed = replay(self.buffer, self.instance, self.rank, op)
             with self._lock:
                 self._journal.popleft()
+                self._wake.notify_all()  # flush waits for the journal to empty
                 moved = entries_in(op)
                 self._reconciled += moved
                 self._episode_reconciled += moved
@@ -531,7 +586,8 @@ class Layer0Bridge:
 
     def close(self) -> None:
         """Stop the background writers, once what was decided is written (waiting at most the
-        buffer's ``retry_s``, none while Redis does not answer): what is left stays unwritten."""
+        buffer's ``retry_s``, none while Redis does not answer): what is left stays unwritten.
+        Then give the identity up, so that a successor claims it at once."""
         if self._caller is not None:
             self._caller.shutdown(wait=False)
         if self._writer is not None and self._degraded_since is None:
@@ -542,6 +598,9 @@ class Layer0Bridge:
         for thread in (self._reconciler, self._writer):
             if thread is not None:
                 thread.join(5)
+        stopped = self._writer is not None and not self._writer.is_alive()
+        if self.identity is not None and stopped and self._claim == "held" and self._degraded_since is None:
+            release_quietly(self.identity)
 
     # -- the writer (registers_tasks): Redis follows the process's decisions ---------------
 
@@ -584,20 +643,24 @@ class Layer0Bridge:
         times = [t for t in (self._pending_since, self._in_flight[0] if self._in_flight else None) if t is not None]
         return time.monotonic() - min(times) if times else 0.0
 
-    def _adopted_at_start(self) -> bool:
-        """``_adopt`` when the bridge is made; False (logged) when Redis does not answer: the
-        writer then adopts before its first write."""
-        try:
-            self._adopt()
-        except Exception as exc:
-            logger.warning("%s/%d: could not read what Redis holds for this rank: %s", self.instance, self.rank, exc)
-            return False
-        return True
-
-    def _adopt(self) -> None:
-        """What an earlier process of this rank left in Redis (see ``OwnedRank.adopt``); raises
-        what reading it raised."""
+    def _adopt(self, claim: ClaimResult) -> None:
+        """With the identity claimed: what an earlier process of this rank left in Redis (see
+        ``OwnedRank.adopt``); raises what reading it raised."""
         assert self.owned is not None
+        if claim.outcome == TOOK and claim.holder is not None:
+            self.logger.warning(
+                "%s/%d: took the identity over from %s, which is gone (its pid is not alive on this host)",
+                self.instance,
+                self.rank,
+                claim.holder.describe(),
+            )
+        elif self._refusal is not None:
+            self.logger.warning(
+                "%s/%d: claimed the identity %s held (its lease ran out)",
+                self.instance,
+                self.rank,
+                self._refusal.holder,
+            )
         keys = self.buffer.protocol.keys.rank(self.instance, self.rank)
         client = self.buffer.client
         pending_raw = client.hgetall(keys.pending)
@@ -615,46 +678,143 @@ class Layer0Bridge:
         with self._lock:
             if self.buffer.protocol.clock is None:
                 self._offset_ms = now - int(midway * 1000)
-            self.owned.adopt(pending, holders, self._server_ms(), keep_early=self.group is None)
+            late = self.owned.adopt(pending, holders, self._server_ms(), keep_early=self.group is None)
+            if late:
+                self.ready.put(late)
             if self.owned.unwritten() and self._pending_since is None:
                 self._pending_since = time.monotonic()
+            if self._refusal is not None:
+                self._resync = True  # the other process wrote the rank meanwhile
+            self._claim, self._refusal, self._adopted = "held", None, True
             self._wake.notify_all()
 
     def _write_loop(self) -> None:
-        """The writer thread, until the bridge closes. A bug of its own is logged and counted
-        (``health().errors["writer"]``) and the writer goes on: the batch it held is sent with
-        the next, which lists every slot of the rank."""
+        """The writer thread, until the bridge closes: claims the identity and adopts, then
+        writes. A bug of its own is logged and counted (``health().errors["writer"]``) and the
+        writer goes on: the batch it held is sent with the next, which lists every slot of the
+        rank. An identity lost to another process (its lease ran out meanwhile) is claimed
+        again, as at start."""
+        if not self._start():
+            return
         while True:
             try:
                 self._write_batches()
                 return
+            except IdentityTaken:
+                self._give_back()
+                if not self._start():
+                    return
             except Exception as exc:
                 self._bug("writer", exc)
-                with self._wake:
-                    assert self.owned is not None
-                    self.owned.give_back()
-                    self._in_flight = None
-                    self._resync = True
-                    if self._pending_since is None:
-                        self._pending_since = time.monotonic()
+                self._give_back()
                 if self._closed.wait(self.probe_s):
                     return
+
+    def _give_back(self) -> None:
+        """The batch in flight will not be confirmed: it goes with the next, which lists every slot."""
+        with self._wake:
+            assert self.owned is not None
+            self.owned.give_back()
+            self._in_flight = None
+            self._resync = True
+            if self._pending_since is None:
+                self._pending_since = time.monotonic()
+
+    def _start(self) -> bool:
+        """Claim the identity, then adopt what a predecessor left, before the first batch; False
+        when the bridge closed first. Refused (another live process holds the identity), the
+        bridge writes nothing, serves its process locally and claims again every third of the
+        lease. Unanswered, it counts as an outage, and tries again every ``probe_s``."""
+        assert self.identity is not None
+        refused = self._refusal is not None  # lost while running: counted and logged already
+        while not self._closed.is_set():
+            try:
+                result = self.identity.claim(count_refusal=not refused)
+                if result.outcome == TAKEN:
+                    self._refused(result, first=not refused)
+                    refused = True
+                    if self._closed.wait(self.identity.renew_s):
+                        return False
+                    continue
+                self._adopt(result)
+                return True
+            except Exception as exc:
+                with self._lock:
+                    started = self._degrade("writer", exc, log=False)
+                if started:
+                    self._log_degraded("writer", exc)
+                if self._closed.wait(self.probe_s):
+                    return False
+        return False
+
+    def _refused(self, result: ClaimResult, first: bool) -> None:
+        """Another live process holds the identity: say so (once per episode, at ERROR)."""
+        assert self.identity is not None
+        holder = result.holder.describe() if result.holder is not None else "another process"
+        error = IdentityTaken(self.instance, self.rank, holder, self.identity.me.describe())
+        if first:  # logged before anyone waiting in ``claimed`` hears of it
+            self.logger.error("%s", error)
+        with self._wake:
+            if self._refusal is None:
+                self._refusals += 1
+            self._refusal = error
+            self._claim = "refused"
+            self._adopted = False
+            if self._degraded_since is not None and self.owned is not None:
+                # Redis answers (it refused): the outage is over; counted with the next batch.
+                seconds, calls, _entries = self._end_episode()
+                self.owned.counts[STATS_DEGRADED_MS] += max(1, round(seconds * 1000))
+                self.owned.counts[STATS_SERVED_LOCALLY] += calls
+            self._wake.notify_all()
+
+    def _renew(self, before_write: bool) -> None:
+        """Renew the claim; raises ``IdentityTaken`` when another process holds it now (this
+        one's lease ran out meanwhile), what the call raises when Redis does not answer.
+        ``before_write``: only when the lease might end before a write sent now is done."""
+        assert self.identity is not None
+        if before_write and self.identity.valid_for(self.buffer.config.retry_s + self.probe_s):
+            return
+        if not before_write and not self.identity.renewal_due():
+            return
+        result = self.identity.claim(count_refusal=True)
+        if result.outcome == TAKEN:
+            self._refused(result, first=True)
+            assert self._refusal is not None
+            raise self._refusal
+
+    def _renew_quietly(self) -> None:
+        """The idle writer's renewal: a Redis that does not answer is tried again later (the
+        lease is checked again before the next write)."""
+        try:
+            self._renew(before_write=False)
+        except IdentityTaken:
+            raise
+        except Exception as exc:
+            self.logger.debug("%s/%d: could not renew the identity's lease: %s", self.instance, self.rank, exc)
 
     def _write_batches(self) -> None:
         """Take what the process decided and not yet written, send it as one ``apply``, again
         until Redis has it; the next batch holds what was decided meanwhile, compacted."""
         owned = self.owned
         assert owned is not None
+        identity = self.identity
+        assert identity is not None
         every_slot = False
         while True:
+            self._renew_quietly()  # outside the lock, when a third of the lease has passed
             with self._wake:
-                while not self._closed.is_set() and not owned.unwritten() and not self._resync:
+                # Degraded (the start met an outage): a batch, even empty, ends the episode.
+                while not (self._closed.is_set() or owned.unwritten() or self._resync or self._degraded_since):
+                    if identity.renewal_due():
+                        break
                     self._writer_waits = True
                     self._wake.wait(self.probe_s)
                     self._writer_waits = False
                     owned.expire(self._server_ms())  # the local sweep, also when the rank is idle
                 if self._closed.is_set():
                     return
+                if not (owned.unwritten() or self._resync or self._degraded_since):
+                    continue  # woke to renew the lease
                 started = self._pending_since or time.monotonic()
                 batch = owned.take(every_slot, range(self.buffer.config.max_slots) if self._resync else range(0))
                 self._resync = False
@@ -668,14 +828,14 @@ class Layer0Bridge:
             every_slot = False
             while True:
                 try:
-                    if not self._adopted:  # before the first write: its own writes are not an earlier process's
-                        self._adopt()
-                        self._adopted = True
+                    self._renew(before_write=True)  # no write without the lease (IdentityTaken)
                     sent = time.time()
                     applied = self.buffer.apply(prepared)
                     took = time.time() - sent
                     midway = sent + took / 2  # the server read its clock about halfway
                     break
+                except IdentityTaken:
+                    raise
                 except Exception as exc:
                     with self._lock:
                         started = self._degrade("writer", exc, log=False)
@@ -695,7 +855,7 @@ class Layer0Bridge:
                     self._resync = True
                 overridden = applied.overridden
                 if overridden:
-                    logger.warning(
+                    self.logger.warning(
                         "%s/%d: %d slots in Redis did not hold what this process last wrote there "
                         "(a restart, a failover, or a holder left by an earlier process): this "
                         "process's state written over them, counted as overridden",
@@ -761,7 +921,7 @@ class Layer0Bridge:
             return self.buffer.register(task, replace=True)
 
     def _log_takeover(self, task: CacheTask, holder: str) -> None:
-        logger.warning(
+        self.logger.warning(
             "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
             task.slot,
             self.instance,
@@ -773,7 +933,7 @@ class Layer0Bridge:
     def _settle_register(self, task: CacheTask, result: RegisterResult) -> Batch:
         """Under the lock: queue the recovered batch, then what waited behind the registration."""
         for signal, reason in result.dropped:
-            logger.warning(
+            self.logger.warning(
                 "dropped early layer-%d signal of slot %d (%d tokens) for request %s: %s",
                 signal.layer,
                 signal.slot,
@@ -812,7 +972,7 @@ class Layer0Bridge:
     def _register_locally(self, task: CacheTask) -> Batch:
         holder = self.local.tasks.get(task.slot)
         if holder is not None and holder.task.request_id != task.request_id:
-            logger.warning(
+            self.logger.warning(
                 "slot %d of %s/%d still held by request %s: registering %s over it, as FastDeploy does",
                 task.slot,
                 self.instance,
@@ -853,7 +1013,7 @@ class Layer0Bridge:
             self.ready.put(batch)
             released.extend(batch)
         for entry, reason in progress.dropped:
-            logger.warning(
+            self.logger.warning(
                 "%s/%d: dropped layer-0 entry %d (slot %d, %d tokens): %s",
                 self.instance,
                 self.rank,
@@ -914,7 +1074,7 @@ class Layer0Bridge:
         return True
 
     def _log_degraded(self, operation: str, exc: BaseException) -> None:
-        logger.warning(
+        self.logger.warning(
             "%s/%d: Redis failed in %s (%s: %s); serving this process locally until it answers",
             self.instance,
             self.rank,
@@ -930,7 +1090,7 @@ class Layer0Bridge:
                 if self.reconcile():
                     return
             except Exception as exc:  # still unreachable: the next probe tries again
-                logger.debug("%s/%d: still degraded: %s", self.instance, self.rank, exc)
+                self.logger.debug("%s/%d: still degraded: %s", self.instance, self.rank, exc)
 
     def _end_episode(self) -> tuple[float, int, int]:
         """Under the lock, with the journal written back: serve from Redis again. Returns the
@@ -944,7 +1104,7 @@ class Layer0Bridge:
         self.local.counts.clear()
         self.local.early = {slot: dataclasses.replace(s, shared=True) for slot, s in self.local.early.items()}
         calls, entries = self._episode_calls, self._episode_reconciled
-        logger.warning(
+        self.logger.warning(
             "%s/%d: Redis answers again after %.1fs degraded: %d calls served locally, %d entries written back",
             self.instance,
             self.rank,
@@ -964,7 +1124,7 @@ class Layer0Bridge:
             client.hincrby(stats, STATS_SERVED_LOCALLY, calls)
             client.hincrby(stats, STATS_RECONCILED, entries)
         except Exception as exc:
-            logger.warning("%s/%d: could not add the episode to the counters: %s", self.instance, self.rank, exc)
+            self.logger.warning("%s/%d: could not add the episode to the counters: %s", self.instance, self.rank, exc)
 
     def _bug(self, operation: str, exc: Exception) -> None:
         """An error of the bridge itself, after the Redis call: count it, log it with its
@@ -975,7 +1135,9 @@ class Layer0Bridge:
             first = kind not in self._logged
             self._logged.add(kind)
         if first:
-            logger.error("%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, exc_info=exc)
+            self.logger.error(
+                "%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, exc_info=exc
+            )
 
     def _invalid(self, operation: str, exc: InvalidSignal | InvalidTask) -> None:
         """Count bad input; log it once until the same hook succeeds again."""
@@ -984,20 +1146,20 @@ class Layer0Bridge:
             first = operation not in self._logged
             self._logged.add(operation)
         if first:
-            logger.error("%s/%d: %s skipped invalid input: %s", self.instance, self.rank, operation, exc)
+            self.logger.error("%s/%d: %s skipped invalid input: %s", self.instance, self.rank, operation, exc)
         else:
-            logger.debug("%s/%d: %s skipped invalid input: %s", self.instance, self.rank, operation, exc)
+            self.logger.debug("%s/%d: %s skipped invalid input: %s", self.instance, self.rank, operation, exc)
 
     def _log_local_verdict(self, task: CacheTask, early: EarlySignal, reason: Any) -> None:
         if reason is None:
-            logger.debug(
+            self.logger.debug(
                 "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, early.tokens, task.request_id
             )
         else:
             self._log_dropped(task, early.tokens, reason)
 
     def _log_dropped(self, task: CacheTask, tokens: int, reason: Any) -> None:
-        logger.warning(
+        self.logger.warning(
             "dropped early layer-0 signal of slot %d (%d tokens) for request %s: %s",
             task.slot,
             tokens,

@@ -65,6 +65,15 @@ class BridgeHealth:
     evicting: Mapping[str, str] = field(default_factory=dict)
     """The servers the buffer found with a ``maxmemory-policy`` that may evict (server: policy):
     empty on a ``noeviction`` server. Eviction deletes what the bridge wrote without an error."""
+    identity: str = "none"
+    """The claim on (instance, rank) where the process owns its rank: "claiming" until Redis
+    answers the first claim, then "held", or "refused" while another live process holds it
+    (``IdentityTaken``: nothing is written, the process is served locally); "none" where
+    Redis judges (no process owns the rank)."""
+    identity_holder: str = ""
+    """While refused: the process that holds the identity (host, pid)."""
+    identity_refusals: int = 0
+    """Times the bridge found another live process holding its identity."""
 
 
 class BridgeMetrics(Exporter):
@@ -111,6 +120,14 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
         errors = CounterMetricFamily(
             "rls_bridge_errors", "Hook calls that failed on the way (never raised)", labels=[*LABELS, "operation"]
         )
+        identity = GaugeMetricFamily(
+            "rls_bridge_identity_held", "1 while this process owns its instance and rank in Redis", labels=LABELS
+        )
+        refusals = CounterMetricFamily(
+            "rls_bridge_identity_refused",
+            "Times another live process held this bridge's instance and rank (IdentityTaken)",
+            labels=LABELS,
+        )
         for bridge in bridges:
             health = bridge.health()
             labels = [bridge.buffer.config.namespace, bridge.instance, str(bridge.rank)]
@@ -123,7 +140,23 @@ class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
             lag.add_metric(labels, health.lag_seconds)
             waiting.add_metric(labels, health.group_waiting)
             voting.add_metric(labels, health.group_voting)
+            identity.add_metric(labels, int(health.identity == "held"))
+            refusals.add_metric(labels, health.identity_refusals)
             for operation in OPERATIONS:
                 local.add_metric([*labels, operation], health.local_calls.get(operation, 0))
                 errors.add_metric([*labels, operation], health.errors.get(operation, 0))
-        yield from (degraded, seconds, episodes, local, reconciled, journal, unwritten, lag, waiting, voting, errors)
+        yield from (
+            degraded,
+            seconds,
+            episodes,
+            local,
+            reconciled,
+            journal,
+            unwritten,
+            lag,
+            waiting,
+            voting,
+            errors,
+            identity,
+            refusals,
+        )

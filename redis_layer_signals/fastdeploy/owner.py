@@ -290,29 +290,56 @@ class OwnedRank:
         self.decisions = 0
         return batch
 
-    def adopt(self, pending: dict[int, str], holders: dict[int, str], now_ms: int, keep_early: bool = True) -> None:
-        """At start, what an earlier process of this rank left in Redis: its early signals
-        become this process's (a signal survives a restart of the messager); its tasks are no
-        task of this process, so their slots are marked changed (the process's state wins:
-        apply removes them and counts each as overridden). Without ``keep_early`` (a
-        tensor-parallel rank, whose entries come only from the GPU's stream every rank reads)
-        the early signals end as ``expired``."""
+    def adopt(
+        self, pending: dict[int, str], holders: dict[int, str], now_ms: int, keep_early: bool = True
+    ) -> list[tuple[int, int]]:
+        """Once the process owns the rank, what an earlier process of it left in Redis: its early
+        signals become this process's (a signal survives a restart of the messager); its tasks
+        are no task of this process, so their slots are marked changed (the process's state
+        wins: apply removes them and counts each as overridden).
+
+        The hooks decided in the process before this (the writer adopts without holding up a
+        start): a slot that has an early signal of the process since ends Redis's one as
+        superseded; one whose task registered here since hands it to that task as register
+        would have, or drops it with the reason. Returns those late recoveries, to queue.
+
+        Without ``keep_early`` (a tensor-parallel rank, whose entries come only from the GPU's
+        stream every rank reads, so that no rank's adoption races its own hooks) the early
+        signals end as ``expired``."""
+        late: list[tuple[int, int]] = []
         for slot, text in pending.items():
-            if slot in self._early or slot in self.tasks:
-                continue
             early = parse_stored(text)
             if not keep_early:
                 self._redis_pending[slot] = early
                 self._changed[slot] = ("expired", early)
                 continue
-            self._early[slot] = early
             self._redis_pending[slot] = early
+            if self._early.get(slot) == early:
+                continue  # this process's own (it held the rank before, and claims it again)
+            if slot in self._early:
+                self._changed[slot] = ("superseded", early)
+                continue
+            holder = self.tasks.get(slot)
+            if holder is not None:
+                tokens, request_id, recorded_at_ms, deadline_ms = early
+                reason = verdict_of(tokens, request_id, deadline_ms, holder.task, now_ms)
+                self._changed[slot] = ("recovered" if reason is None else f"dropped_{reason.value}", early)
+                holder.recovery = f"0,{tokens},{request_id or ''},{recorded_at_ms},{reason.value if reason else ''};"
+                if reason is None and tokens > holder.queued_tokens:
+                    holder.queued_tokens = tokens
+                    late.append((slot, tokens))
+                continue
+            self._early[slot] = early
             self._next_deadline = min(self._next_deadline, early[3])
-        for slot in holders:
-            if slot not in self.tasks:
-                self._redis_holder[slot] = ""  # none of this process's: found there, counted overridden
-                self._changed.setdefault(slot, NO_FATE)
+        for slot, request_id in holders.items():
+            holder = self.tasks.get(slot)
+            if holder is not None and holder.task.request_id == request_id:
+                self._redis_holder[slot] = request_id  # this process's own
+                continue
+            self._redis_holder[slot] = ""  # none of this process's: found there, counted overridden
+            self._changed.setdefault(slot, NO_FATE)
         self.expire(now_ms)
+        return late
 
     # -- inside -------------------------------------------------------------------------
 

@@ -49,8 +49,12 @@ class UnbufferedBridge(Layer0Bridge):
     """The pre-fix behaviour: a layer-0 signal whose task is not registered yet is dropped.
 
     Kept only to show what the buffer fixes: the check and the act are separate, and nothing
-    remembers the early signal, so its request is never sent.
+    remembers the early signal, so its request is never sent. It registers in Redis itself,
+    so no writer copies decisions of the process there (``registers_tasks=False``).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "registers_tasks": False})
 
     def on_kv_signal(self, kv_signal_data: Any, request_ids: Mapping[int, str] | None = None) -> Batch:
         ready = []

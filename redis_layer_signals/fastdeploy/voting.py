@@ -11,7 +11,6 @@ While Redis does not answer, releases go on in the hooks; only a give-up waits.
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -22,7 +21,6 @@ from .group import GroupQueue, Outcome
 if TYPE_CHECKING:
     from .bridge import Layer0Bridge
 
-logger = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
 """An idle rank reports again this often: what the group keeps of it comes back after Redis
@@ -78,7 +76,7 @@ class GroupVoter:
             votes = self.group.voting()
             handled = self.group.handled
         if seq is not None:
-            logger.warning(
+            bridge.logger.warning(
                 "%s/%d: layer-0 entry %d waited %gs for its task: asking the tensor-parallel group to give it up",
                 bridge.instance,
                 bridge.rank,
@@ -91,12 +89,12 @@ class GroupVoter:
         protocol = bridge.buffer.protocol
         sent = [*votes, *self._abandoned]
         prepared = protocol.group(self.keys, self.nranks, self.member, self.token, handled, sent)
-        answer = bridge.buffer.group(prepared)
+        answer = bridge.buffer.execute(prepared)
         if self.unreachable:
-            logger.warning("%s/%d: the tensor-parallel group's keys answer again", bridge.instance, bridge.rank)
+            bridge.logger.warning("%s/%d: the tensor-parallel group's keys answer again", bridge.instance, bridge.rank)
         self.unreachable = False
         if answer.reset and self._reported is not None:
-            logger.warning(
+            bridge.logger.warning(
                 "%s/%d: another process of this rank started in the tensor-parallel group: its keys were reset",
                 bridge.instance,
                 bridge.rank,
@@ -115,7 +113,7 @@ class GroupVoter:
         with bridge._lock:
             bridge._errors["group"] += 1
         if not self.unreachable:
-            logger.warning(
+            bridge.logger.warning(
                 "%s/%d: the tensor-parallel group's keys cannot be reached (%s: %s): releases go on, "
                 "giving up on an entry waits until Redis answers",
                 bridge.instance,
