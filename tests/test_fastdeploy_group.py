@@ -59,7 +59,7 @@ class LuaGroup:
 
     def call(self, member: int, handled: int, votes: list[int]) -> list[Outcome]:
         prepared = self.buffer.protocol.group(self.keys, self.nranks, member, self.tokens[member], handled, votes)
-        return [Outcome(outcome) for outcome in self.buffer.group(prepared).outcomes]
+        return [Outcome(outcome) for outcome in self.buffer.execute(prepared).outcomes]
 
 
 @dataclass
