@@ -178,3 +178,75 @@ def test_the_api_reference_shows_the_constructors_and_hides_internals(site: Path
     assert 'href="#redis_layer_signals.SignalBuffer"' in html  # cross-references are links
     for internal in INTERNALS:
         assert f'id="redis_layer_signals.{internal}' not in html and f"{internal}(" not in html, internal
+
+
+# -- the pages speak to users: no project history ------------------------------------------------
+
+HISTORY = re.compile(
+    r"\bissues?\s+#?\d+|\bissue's|(?<![\w&/#])#\d+\b|\brounds?\b(?![- ]trips?)|\bthis change\b|\bsessions?\b",
+    re.IGNORECASE,
+)
+"""The project's own history: its issue numbers ("issue 13", "#17"), its rounds of work, "this
+change", a session. A pull request of FastDeploy ("PR 7872") is the user's, and allowed."""
+
+
+class _Text(HTMLParser):
+    """The text a reader sees: no tags, scripts, styles or comments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = 0
+        self.parts: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.hidden += tag in ("script", "style")
+
+    def handle_endtag(self, tag: str) -> None:
+        self.hidden -= tag in ("script", "style")
+
+    def handle_data(self, data: str) -> None:
+        if not self.hidden:
+            self.parts.append(data)
+
+
+def visible_text(page: Path) -> str:
+    parser = _Text()
+    parser.feed(page.read_text())
+    return "".join(parser.parts)
+
+
+def source_of(site: Path, page: Path) -> Path | None:
+    """The Markdown file a built page came from (docs/, or benchmarks/results/ published as is)."""
+    relative = page.parent.relative_to(site).as_posix()
+    if relative == ".":
+        return DOCS / "index.md"
+    for candidate in (DOCS / f"{relative}.md", ROOT / f"{relative}.md"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def history_mentions(site: Path) -> list[str]:
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        text = visible_text(page)
+        source = source_of(site, page)
+        for match in HISTORY.finditer(text):
+            where = f"{page.relative_to(site)}, text line {text.count(chr(10), 0, match.start()) + 1}"
+            if source is not None:
+                lines = [i for i, line in enumerate(source.read_text().splitlines(), 1) if match.group(0) in line]
+                if lines:
+                    where = f"{source.relative_to(ROOT)}:{lines[0]}"
+            context = " ".join(text[max(0, match.start() - 40) : match.end() + 20].split())
+            found.append(f"{where}: {match.group(0)!r} in ...{context}...")
+    return found
+
+
+def test_no_page_tells_the_project_s_history(site: Path) -> None:
+    assert history_mentions(site) == []
+
+
+def test_the_history_check_finds_issue_numbers_and_rounds_but_not_round_trips() -> None:
+    said = "issue 13 measured it; fixed in #17 at the end of the round, this change's; a session"
+    assert [m.group(0) for m in HISTORY.finditer(said)] == ["issue 13", "#17", "round", "this change", "session"]
+    assert not HISTORY.search("one round trip per call, round-trips, PR 7872, slot 3, &#124;")
