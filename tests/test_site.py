@@ -51,7 +51,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     done = subprocess.run(
         [docs_python(), "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
     )
     assert done.returncode == 0, f"mkdocs build --strict failed (make docs-env?):\n{done.stdout}\n{done.stderr}"
     return out
@@ -142,10 +146,12 @@ def test_every_mermaid_diagram_parses() -> None:
 
 
 def test_the_diagram_check_refuses_a_broken_diagram() -> None:
-    results = parse_diagrams([
-        {"name": "arrow without a target", "text": "sequenceDiagram\n    G->>: record\n"},
-        {"name": "unknown type", "text": "sequenceDiagrm\n    G->>B: record\n"},
-    ])
+    results = parse_diagrams(
+        [
+            {"name": "arrow without a target", "text": "sequenceDiagram\n    G->>: record\n"},
+            {"name": "unknown type", "text": "sequenceDiagrm\n    G->>B: record\n"},
+        ]
+    )
     assert [r["ok"] for r in results] == [False, False], results
 
 
@@ -176,6 +182,11 @@ def test_the_api_reference_shows_the_constructors_and_hides_internals(site: Path
         assert "redis+cluster://" in from_url[:20_000] and "RLS_REDIS_URL" in from_url[:20_000], buffer
     assert not SPHINX_ROLE.search(html)
     assert 'href="#redis_layer_signals.SignalBuffer"' in html  # cross-references are links
+    text = visible_text(built_page(site, API_PAGE))
+    # Signatures one parameter a line (ruff formats them: the docs extra installs it) rather than
+    # one line that scrolls; no return type a reader cannot look up (a bare type variable).
+    assert re.search(r"SignalBuffer\(\n\s+client: Any,\n", text), "signatures on one line: is ruff installed?"
+    assert re.findall(r"-> *([A-Z])\b", text) == []
     for internal in INTERNALS:
         assert f'id="redis_layer_signals.{internal}' not in html and f"{internal}(" not in html, internal
 
@@ -240,6 +251,12 @@ def history_mentions(site: Path) -> list[str]:
             context = " ".join(text[max(0, match.start() - 40) : match.end() + 20].split())
             found.append(f"{where}: {match.group(0)!r} in ...{context}...")
     return found
+
+
+def test_no_page_shows_an_escaped_pipe(site: Path) -> None:
+    """A table cell's code written ``\\|`` for GitHub shows as ``|`` (docs/hooks.py)."""
+    shown = [str(page.relative_to(site)) for page in sorted(site.rglob("*.html")) if "\\|" in visible_text(page)]
+    assert shown == []
 
 
 def test_no_page_tells_the_project_s_history(site: Path) -> None:
