@@ -6,6 +6,9 @@ r"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothin
   published beside it, so those links resolve in the site as they do in the repository;
 - a pipe inside a code span of a table row is written ``\|`` so that GitHub keeps the cell
   whole; Python-Markdown already does, and would show the backslash, so the hook drops it;
+- a metric with labels in a table cell (``rls_dropped_total{reason="over_need"}``) may break
+  before its ``{`` when the column is narrow, and nowhere else (docs/stylesheets/extra.css keeps
+  names whole);
 - mermaid.js, which draws the diagrams, is published from the pinned npm package `make docs`
   installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads it from a CDN. A
   build without it fails: the diagrams would be fetched from the network or not drawn.
@@ -67,6 +70,18 @@ def unescape_table_code(markdown: str) -> str:
         if line.startswith("|") and "\\|" in line:
             lines[i] = CODE_SPAN.sub(lambda span: span.group(0).replace("\\|", "|"), line)
     return "\n".join(lines)
+
+
+TABLE_CELL = re.compile(r"<td[^>]*>.*?</td>", re.DOTALL)
+CELL_CODE = re.compile(r"<code>[^<]*</code>")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    return TABLE_CELL.sub(lambda cell: CELL_CODE.sub(_break_before_labels, cell.group(0)), html)
+
+
+def _break_before_labels(code: re.Match[str]) -> str:
+    return code.group(0).replace("{", "<wbr>{")
 
 
 def cli_reference() -> str:
