@@ -72,12 +72,14 @@ def unescape_table_code(markdown: str) -> str:
     return "\n".join(lines)
 
 
-TABLE_CELL = re.compile(r"<td[^>]*>.*?</td>", re.DOTALL)
+TABLE_ROW = re.compile(r"(<tr>\s*<td[^>]*>.*?</td>)(.*?</tr>)", re.DOTALL)
 CELL_CODE = re.compile(r"<code>[^<]*</code>")
 
 
 def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
-    return TABLE_CELL.sub(lambda cell: CELL_CODE.sub(_break_before_labels, cell.group(0)), html)
+    """A break opportunity before a ``{`` in the code of a table's later columns (the first
+    column keeps its names whole: a ``<wbr>`` would break them even under ``nowrap``)."""
+    return TABLE_ROW.sub(lambda row: row.group(1) + CELL_CODE.sub(_break_before_labels, row.group(2)), html)
 
 
 def _break_before_labels(code: re.Match[str]) -> str:

@@ -259,6 +259,14 @@ def test_no_page_shows_an_escaped_pipe(site: Path) -> None:
     assert shown == []
 
 
+def test_names_in_tables_break_only_before_their_labels_and_never_in_the_first_column(site: Path) -> None:
+    """docs/hooks.py: ``rls_dropped_total{reason=...}`` may wrap before ``{``; a key's name,
+    in a first column, never (Chrome breaks at a ``<wbr>`` even under ``nowrap``)."""
+    assert "rls_dropped_total<wbr>{" in built_page(site, "docs/operations/monitoring.md").read_text()
+    key_layout = built_page(site, "docs/key-layout.md").read_text()
+    assert "<td><code>rls:{prod/p0/0}:live</code>" in key_layout and "<wbr>" not in key_layout
+
+
 def test_no_page_tells_the_project_s_history(site: Path) -> None:
     assert history_mentions(site) == []
 
