@@ -6,9 +6,9 @@ r"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothin
   published beside it, so those links resolve in the site as they do in the repository;
 - a pipe inside a code span of a table row is written ``\|`` so that GitHub keeps the cell
   whole; Python-Markdown already does, and would show the backslash, so the hook drops it;
-- a metric with labels in a table cell (``rls_dropped_total{reason="over_need"}``) may break
-  before its ``{`` when the column is narrow, and nowhere else (docs/stylesheets/extra.css keeps
-  names whole);
+- in tables, a name (``--chunk-tokens``, ``sentinel-redis-1``) never breaks, and a metric with
+  labels (``rls_dropped_total{reason="over_need"}``) only before its ``{``, in a later column
+  (with docs/stylesheets/extra.css);
 - mermaid.js, which draws the diagrams, is published from the pinned npm package `make docs`
   installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads it from a CDN. A
   build without it fails: the diagrams would be fetched from the network or not drawn.
@@ -72,18 +72,30 @@ def unescape_table_code(markdown: str) -> str:
     return "\n".join(lines)
 
 
+TABLE_CELL = re.compile(r"<td[^>]*>.*?</td>", re.DOTALL)
 TABLE_ROW = re.compile(r"(<tr>\s*<td[^>]*>.*?</td>)(.*?</tr>)", re.DOTALL)
-CELL_CODE = re.compile(r"<code>[^<]*</code>")
+CELL_CODE = re.compile(r"<code>([^<]*)</code>")
+MARKED_CODE = re.compile(r"<code[^>]*>[^<]*</code>")
 
 
 def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
-    """A break opportunity before a ``{`` in the code of a table's later columns (the first
-    column keeps its names whole: a ``<wbr>`` would break them even under ``nowrap``)."""
-    return TABLE_ROW.sub(lambda row: row.group(1) + CELL_CODE.sub(_break_before_labels, row.group(2)), html)
+    """In tables: a name (a code span without a space) is marked ``rls-name`` and never wraps,
+    not even at its hyphens (extra.css); a ``{`` in the code of a later column gets a break
+    opportunity before it (the first column keeps its names whole: Chrome breaks at a
+    ``<wbr>`` even under ``nowrap``)."""
+    html = TABLE_CELL.sub(lambda cell: CELL_CODE.sub(_mark_name, cell.group(0)), html)
+    return TABLE_ROW.sub(lambda row: row.group(1) + MARKED_CODE.sub(_break_before_labels, row.group(2)), html)
 
 
 def _break_before_labels(code: re.Match[str]) -> str:
     return code.group(0).replace("{", "<wbr>{")
+
+
+def _mark_name(code: re.Match[str]) -> str:
+    text = code.group(1)
+    if any(c.isspace() for c in text):
+        return code.group(0)
+    return f'<code class="rls-name">{text}</code>'
 
 
 def cli_reference() -> str:

@@ -264,7 +264,7 @@ def test_names_in_tables_break_only_before_their_labels_and_never_in_the_first_c
     in a first column, never (Chrome breaks at a ``<wbr>`` even under ``nowrap``)."""
     assert "rls_dropped_total<wbr>{" in built_page(site, "docs/operations/monitoring.md").read_text()
     key_layout = built_page(site, "docs/key-layout.md").read_text()
-    assert "<td><code>rls:{prod/p0/0}:live</code>" in key_layout and "<wbr>" not in key_layout
+    assert '<td><code class="rls-name">rls:{prod/p0/0}:live</code>' in key_layout and "<wbr>" not in key_layout
 
 
 def test_no_page_tells_the_project_s_history(site: Path) -> None:
