@@ -1,9 +1,14 @@
-"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothing fetched:
+r"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothing fetched:
 
 - the CLI reference page is rendered from the typer application itself (each command's help and
   options), so it cannot drift from ``rls``;
 - the benchmark results the Performance page links to and shows (``benchmarks/results/``) are
   published beside it, so those links resolve in the site as they do in the repository;
+- a pipe inside a code span of a table row is written ``\|`` so that GitHub keeps the cell
+  whole; Python-Markdown already does, and would show the backslash, so the hook drops it;
+- in tables, a name (``--chunk-tokens``, ``sentinel-redis-1``) never breaks, and a metric with
+  labels (``rls_dropped_total{reason="over_need"}``) only before its ``{``, in a later column
+  (with docs/stylesheets/extra.css);
 - mermaid.js, which draws the diagrams, is published from the pinned npm package `make docs`
   installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads it from a CDN. A
   build without it fails: the diagrams would be fetched from the network or not drawn.
@@ -12,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -48,9 +54,48 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    markdown = unescape_table_code(markdown)
     if CLI_MARKER not in markdown:
         return markdown
     return markdown.replace(CLI_MARKER, cli_reference())
+
+
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+
+
+def unescape_table_code(markdown: str) -> str:
+    r"""``\|`` back to ``|`` inside the code spans of table rows (lines that start with a pipe)."""
+    lines = markdown.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("|") and "\\|" in line:
+            lines[i] = CODE_SPAN.sub(lambda span: span.group(0).replace("\\|", "|"), line)
+    return "\n".join(lines)
+
+
+TABLE_CELL = re.compile(r"<td[^>]*>.*?</td>", re.DOTALL)
+TABLE_ROW = re.compile(r"(<tr>\s*<td[^>]*>.*?</td>)(.*?</tr>)", re.DOTALL)
+CELL_CODE = re.compile(r"<code>([^<]*)</code>")
+MARKED_CODE = re.compile(r"<code[^>]*>[^<]*</code>")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    """In tables: a name (a code span without a space) is marked ``rls-name`` and never wraps,
+    not even at its hyphens (extra.css); a ``{`` in the code of a later column gets a break
+    opportunity before it (the first column keeps its names whole: Chrome breaks at a
+    ``<wbr>`` even under ``nowrap``)."""
+    html = TABLE_CELL.sub(lambda cell: CELL_CODE.sub(_mark_name, cell.group(0)), html)
+    return TABLE_ROW.sub(lambda row: row.group(1) + MARKED_CODE.sub(_break_before_labels, row.group(2)), html)
+
+
+def _break_before_labels(code: re.Match[str]) -> str:
+    return code.group(0).replace("{", "<wbr>{")
+
+
+def _mark_name(code: re.Match[str]) -> str:
+    text = code.group(1)
+    if any(c.isspace() for c in text):
+        return code.group(0)
+    return f'<code class="rls-name">{text}</code>'
 
 
 def cli_reference() -> str:
@@ -78,21 +123,17 @@ def _references(group: Any, context: Any, prefix: str) -> list[str]:
 
 
 def command_reference(name: str, command: Any, context: Any) -> str:
-    from redis_layer_signals.cli_help import describe  # what `rls --help` says, range included
 
     lines = [f"## `rls {name}`", "", (command.help or "").strip(), "", "```text", command.get_usage(context), "```", ""]
     options = [p for p in command.params if p.param_type_name == "option" and not p.hidden]
     if options:
-        lines += ["| option | default | env | meaning |", "|---|---|---|---|"]
+        # The values an option takes have a column of their own: an option whose help says
+        # nothing more would otherwise read "At least 1." as its meaning.
+        lines += ["| option | default | values | meaning |", "|---|---|---|---|"]
         for option in options:
-            lines.append(
-                "| {names} | {default} | {env} | {help} |".format(
-                    names=", ".join(f"`{o}`" for o in [*option.opts, *option.secondary_opts]),
-                    default=_default(option),
-                    env=f"`{option.envvar}`" if isinstance(option.envvar, str) else "",
-                    help=_cell(describe(option) + _choices(option)),
-                )
-            )
+            names = " ".join(f"`{o}`" for o in [*option.opts, *option.secondary_opts])
+            env = f"<br>env `{option.envvar}`" if isinstance(option.envvar, str) else ""
+            lines.append(f"| {names}{env} | {_default(option)} | {_range(option)} | {_cell(option.help or '')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -108,11 +149,18 @@ def _default(option: Any) -> str:
     return f"`{getattr(default, 'value', default)}`"
 
 
-def _choices(option: Any) -> str:
-    """The values of an option typer read from an enum; its numeric range is in ``describe``."""
+def _range(option: Any) -> str:
+    """The values an option takes, from the annotation typer read (an enum) or its min/max."""
     annotation = getattr(getattr(option, "type_descriptor", None), "annotation", None)
     if isinstance(annotation, type) and issubclass(annotation, Enum):
-        return " One of: " + ", ".join(f"`{member.value}`" for member in annotation) + "."
+        return ", ".join(f"`{member.value}`" for member in annotation)
+    low, high = getattr(option, "min", None), getattr(option, "max", None)
+    if low is not None and high is not None:
+        return f"`{low}` to `{high}`"
+    if low is not None:
+        return f"≥ `{low}`"
+    if high is not None:
+        return f"≤ `{high}`"
     return ""
 
 

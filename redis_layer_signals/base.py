@@ -4,7 +4,7 @@ transport (a redis-py client or a redis.asyncio one) differs between the two sub
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from . import routing
 from .config import BufferConfig
@@ -14,7 +14,8 @@ from .protocol import Clock, Protocol
 Observer = Callable[[str, float], None]
 """Called with (operation, seconds) after each successful call: the metrics hook."""
 
-B = TypeVar("B", bound="BufferBase")
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the annotation is never evaluated at run time
+    from typing_extensions import Self
 
 
 class BufferBase:
@@ -119,7 +120,7 @@ class BufferBase:
         (see ``permissions``)."""
 
     @classmethod
-    def from_url(cls: type[B], url: str | None = None, **options: Any) -> B:
+    def from_url(cls, url: str | None = None, **options: Any) -> Self:
         """Connect by URL and build the buffer; options as for the constructor.
 
         Args:

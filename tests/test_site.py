@@ -51,7 +51,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     done = subprocess.run(
         [docs_python(), "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
     )
     assert done.returncode == 0, f"mkdocs build --strict failed (make docs-env?):\n{done.stdout}\n{done.stderr}"
     return out
@@ -142,10 +146,12 @@ def test_every_mermaid_diagram_parses() -> None:
 
 
 def test_the_diagram_check_refuses_a_broken_diagram() -> None:
-    results = parse_diagrams([
-        {"name": "arrow without a target", "text": "sequenceDiagram\n    G->>: record\n"},
-        {"name": "unknown type", "text": "sequenceDiagrm\n    G->>B: record\n"},
-    ])
+    results = parse_diagrams(
+        [
+            {"name": "arrow without a target", "text": "sequenceDiagram\n    G->>: record\n"},
+            {"name": "unknown type", "text": "sequenceDiagrm\n    G->>B: record\n"},
+        ]
+    )
     assert [r["ok"] for r in results] == [False, False], results
 
 
@@ -176,5 +182,96 @@ def test_the_api_reference_shows_the_constructors_and_hides_internals(site: Path
         assert "redis+cluster://" in from_url[:20_000] and "RLS_REDIS_URL" in from_url[:20_000], buffer
     assert not SPHINX_ROLE.search(html)
     assert 'href="#redis_layer_signals.SignalBuffer"' in html  # cross-references are links
+    text = visible_text(built_page(site, API_PAGE))
+    # Signatures one parameter a line (ruff formats them: the docs extra installs it) rather than
+    # one line that scrolls; no return type a reader cannot look up (a bare type variable).
+    assert re.search(r"SignalBuffer\(\n\s+client: Any,\n", text), "signatures on one line: is ruff installed?"
+    assert re.findall(r"-> *([A-Z])\b", text) == []
     for internal in INTERNALS:
         assert f'id="redis_layer_signals.{internal}' not in html and f"{internal}(" not in html, internal
+
+
+# -- the pages speak to users: no project history ------------------------------------------------
+
+HISTORY = re.compile(
+    r"\bissues?\s+#?\d+|\bissue's|(?<![\w&/#])#\d+\b|\brounds?\b(?![- ]trips?)|\bthis change\b|\bsessions?\b",
+    re.IGNORECASE,
+)
+"""The project's own history: its issue numbers ("issue 13", "#17"), its rounds of work, "this
+change", a session. A pull request of FastDeploy ("PR 7872") is the user's, and allowed."""
+
+
+class _Text(HTMLParser):
+    """The text a reader sees: no tags, scripts, styles or comments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = 0
+        self.parts: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.hidden += tag in ("script", "style")
+
+    def handle_endtag(self, tag: str) -> None:
+        self.hidden -= tag in ("script", "style")
+
+    def handle_data(self, data: str) -> None:
+        if not self.hidden:
+            self.parts.append(data)
+
+
+def visible_text(page: Path) -> str:
+    parser = _Text()
+    parser.feed(page.read_text())
+    return "".join(parser.parts)
+
+
+def source_of(site: Path, page: Path) -> Path | None:
+    """The Markdown file a built page came from (docs/, or benchmarks/results/ published as is)."""
+    relative = page.parent.relative_to(site).as_posix()
+    if relative == ".":
+        return DOCS / "index.md"
+    for candidate in (DOCS / f"{relative}.md", ROOT / f"{relative}.md"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def history_mentions(site: Path) -> list[str]:
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        text = visible_text(page)
+        source = source_of(site, page)
+        for match in HISTORY.finditer(text):
+            where = f"{page.relative_to(site)}, text line {text.count(chr(10), 0, match.start()) + 1}"
+            if source is not None:
+                lines = [i for i, line in enumerate(source.read_text().splitlines(), 1) if match.group(0) in line]
+                if lines:
+                    where = f"{source.relative_to(ROOT)}:{lines[0]}"
+            context = " ".join(text[max(0, match.start() - 40) : match.end() + 20].split())
+            found.append(f"{where}: {match.group(0)!r} in ...{context}...")
+    return found
+
+
+def test_no_page_shows_an_escaped_pipe(site: Path) -> None:
+    """A table cell's code written ``\\|`` for GitHub shows as ``|`` (docs/hooks.py)."""
+    shown = [str(page.relative_to(site)) for page in sorted(site.rglob("*.html")) if "\\|" in visible_text(page)]
+    assert shown == []
+
+
+def test_names_in_tables_break_only_before_their_labels_and_never_in_the_first_column(site: Path) -> None:
+    """docs/hooks.py: ``rls_dropped_total{reason=...}`` may wrap before ``{``; a key's name,
+    in a first column, never (Chrome breaks at a ``<wbr>`` even under ``nowrap``)."""
+    assert "rls_dropped_total<wbr>{" in built_page(site, "docs/operations/monitoring.md").read_text()
+    key_layout = built_page(site, "docs/key-layout.md").read_text()
+    assert '<td><code class="rls-name">rls:{prod/p0/0}:live</code>' in key_layout and "<wbr>" not in key_layout
+
+
+def test_no_page_tells_the_project_s_history(site: Path) -> None:
+    assert history_mentions(site) == []
+
+
+def test_the_history_check_finds_issue_numbers_and_rounds_but_not_round_trips() -> None:
+    said = "issue 13 measured it; fixed in #17 at the end of the round, this change's; a session"
+    assert [m.group(0) for m in HISTORY.finditer(said)] == ["issue 13", "#17", "round", "this change", "session"]
+    assert not HISTORY.search("one round trip per call, round-trips, PR 7872, slot 3, &#124;")

@@ -141,7 +141,8 @@ def _reference_table(values: dict[str, float]) -> list[str]:
         "",
         "## Against the floor sent the same way (reference, not a target)",
         "",
-        "The floor above is the issue's: EVALSHA of a no-op sent through redis-py's command path. "
+        "The floor above is the project's reference call: EVALSHA of a no-op sent through redis-py's "
+        "command path. "
         "The sync buffer sends its FCALLs packed on kept connections and skips that path; "
         "`floor_direct` sends the same no-op the same way, so these ratios show what our scripts "
         "cost over the least possible call (p50 latency; contention: throughput).",
