@@ -830,7 +830,9 @@ def fastdeploy_patch_command(
             out.print(f"{shown}: already patched, left as it is", markup=False, soft_wrap=True)
         else:
             backup = patch_files.replace(target, result.patched, result.original, force=force)
-            out.print(f"{shown}: patched; the original is in {backup}", markup=False, soft_wrap=True)
+            # The backup named as the file was (relative stays relative), the link's target's otherwise.
+            kept = f"{file}{backup.name[len(target.name) :]}" if target == file.absolute() else str(backup)
+            out.print(f"{shown}: patched\noriginal kept as {kept}", markup=False, soft_wrap=True)
     except patch_files.FileProblem as exc:
         _fail(str(exc), EXIT_FILE)
 

@@ -357,10 +357,15 @@ def normalised(text: str, step: Step) -> str:
     return "\n".join(lines).strip("\n")
 
 
+DURABLE = ("--appendonly", "yes", "--appendfsync", "always")
+"""The pages' outputs come from a server set as the Redis settings page asks (an AOF), so they
+show what a healthy deployment prints."""
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_OUTPUTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_outputs_a_page_shows_are_what_the_commands_print(page: Path, tmp_path: Path) -> None:
     lines = page.read_text().splitlines()
-    with running() as server:
+    with running(DURABLE) as server:
         ran = run_steps(page, server, tmp_path)
     wrong = []
     for step, code, output in ran:
@@ -385,7 +390,7 @@ def rewrite(pages: list[Path]) -> None:
     """Write each shown output (and its exit code) from a fresh run of its command."""
     for page in pages:
         lines = page.read_text().splitlines()
-        with running() as server, tempfile.TemporaryDirectory() as folder:
+        with running(DURABLE) as server, tempfile.TemporaryDirectory() as folder:
             ran = run_steps(page, server, Path(folder))
         for step, code, output in reversed(ran):
             body = [(step.indent + line).rstrip() for line in output.splitlines()]

@@ -41,12 +41,18 @@ ENTRY_LOOP = "for bi in range(tasks_count):"
 TASK_ENTERS = "self.idx_cache_task_dict[current_id] = current_info"
 
 BRIDGE = """\
-# redis-layer-signals: early layer-0 signals wait in Redis (docs/fastdeploy.md); None unless the
-# role is "prefill". Built before the consumer and adder threads start; RLS_* variables configure it.
+# redis-layer-signals: early layer-0 signals wait in Redis (docs/fastdeploy.md).
+# None unless the role is "prefill"; the RLS_* variables configure it.
 self.layer0 = bridge_for_messager(
-    splitwise_role=splitwise_role, pod_ip=pod_ip, engine_worker_queue_port=engine_worker_queue_port,
-    rank=self.rank_id, nranks=self.nranks, block_size=block_size, num_layers=num_layers,
-    ready=lambda: self.cache_prefilled_engine_ids_queue, logger=logger,
+    splitwise_role=splitwise_role,
+    pod_ip=pod_ip,
+    engine_worker_queue_port=engine_worker_queue_port,
+    rank=self.rank_id,
+    nranks=self.nranks,
+    block_size=block_size,
+    num_layers=num_layers,
+    ready=lambda: self.cache_prefilled_engine_ids_queue,
+    logger=logger,
 )
 """
 ON_KV_SIGNAL = """\
