@@ -429,7 +429,7 @@ def changed_lines(original: bytes) -> tuple[list[str], list[str]]:
     return removed, added
 
 
-@pytest.mark.parametrize(("original", "count"), [(ORIGINAL, 28), (ORIGINAL_8035, 21)], ids=["pr7872", "pr8035"])
+@pytest.mark.parametrize(("original", "count"), [(ORIGINAL, 33), (ORIGINAL_8035, 26)], ids=["pr7872", "pr8035"])
 def test_only_the_guide_s_lines_change_every_other_byte_stays(original: bytes, count: int) -> None:
     removed, added = changed_lines(original)
     inserted = [*patch.IMPORTS, patch.BRIDGE, patch.ON_KV_SIGNAL, patch.ON_CACHE_TASK, patch.ON_TASK_FINISHED]
@@ -442,12 +442,19 @@ def test_only_the_guide_s_lines_change_every_other_byte_stays(original: bytes, c
         "pending_engine_signals = []",
         "if layer_id == 0:",
         "if recovered_signal is not None:",
+        "_, prefilled_token_num = recovered_signal",
+        "recovered_signal_batch = [recovered_signal]",
+        "self.cache_prefilled_engine_ids_queue.put(recovered_signal_batch)",
+        "for engine_idx, prefilled_token_num in pending_engine_signals:",
+        "self.pending_layer0_signals[engine_idx] = (engine_idx, prefilled_token_num)",
         "self.pending_layer0_signals.pop(current_id, None)",
     }
     assert len(removed) == count
-    # Every removed line was about the pending dict, its lock, the two lists or their logs.
+    # Every removed line was about the pending dict, its lock, the two lists or their logs (a log
+    # call spanning lines ends in a line of its own).
     words = ("pending_layer0_signal", "engine_signals", "recovered_signal", "layer_id == 0", "logger.", "else:", "if ")
-    assert all(any(w in line for w in words) for line in removed), removed
+    logs = ('"', 'f"', ")")
+    assert all(any(w in line for w in words) or line.strip().startswith(logs) for line in removed), removed
     # The older class and the module around the imports are byte for byte as they were.
     patched = patch_source(original).patched.decode()
     older = original.decode().split("class CacheMessager:")[1].split("class CacheMessagerV1:")[0]
@@ -543,6 +550,16 @@ def variant(old: str, new: str, original: bytes = ORIGINAL) -> bytes:
             id="a-third-release",
         ),
         pytest.param(
+            variant(
+                "_, prefilled_token_num = recovered_signal\n                        if prefilled_token_num <=",
+                "if recovered_signal[1] <=",
+            ),
+            "CacheMessagerV1._add_cache_task_thread",
+            '`if recovered_signal[1] <= current_info["need_prefill_tokens"]:` where '
+            "`_, prefilled_token_num = recovered_signal` is expected",
+            id="adder-indexes-the-signal",
+        ),
+        pytest.param(
             variant("if layer_id == 0:\n", "if layer_id == 0:  # only the first\n") + b"\x0c\n",
             "",
             "",
@@ -562,9 +579,10 @@ def test_a_file_the_codemod_does_not_know_is_refused_naming_the_first_place(
     assert problem in str(refused.value)
 
 
-RECOVERED = "                            self.cache_prefilled_engine_ids_queue.put([recovered_signal])\n"
+RECOVERED = "                            self.cache_prefilled_engine_ids_queue.put(recovered_signal_batch)\n"
+UNPACKED = "                        _, prefilled_token_num = recovered_signal\n"
 DROPPED = '                            logger.info(f"early signal {recovered_signal} exceeds its task, dropped")\n'
-STORED = "                                self.pending_layer0_signals[signal[0]] = signal\n"
+STORED = "                                self.pending_layer0_signals[engine_idx] = (engine_idx, prefilled_token_num)\n"
 SENDER_POP = "                                    self.pending_layer0_signals.pop(current_id, None)\n"
 PENDING_LOG = '                    logger.debug(f"early signals kept: {pending_engine_signals}")\n'
 READY_LIST = "                ready_engine_signals = []\n"
@@ -580,7 +598,8 @@ INIT_DICT = "        self.pending_layer0_signals = {}\n"
         pytest.param(RECOVERED, "assert recovered_signal[0] == current_id", id="assert"),
         pytest.param(DROPPED, "return", id="return"),
         pytest.param(DROPPED, 'raise RuntimeError("early signal exceeds its task")', id="raise"),
-        pytest.param(STORED, "self.seen.append(signal)", id="in-the-store-loop"),
+        pytest.param(STORED, "self.seen.append(engine_idx)", id="in-the-store-loop"),
+        pytest.param(UNPACKED, "prefilled_token_num -= 1", id="after-the-unpack"),
         pytest.param(SENDER_POP, "self.released.add(current_id)", id="in-the-sender-pop"),
         pytest.param(PENDING_LOG, "self.metrics.early(len(pending_engine_signals))", id="after-a-log-line"),
         pytest.param(

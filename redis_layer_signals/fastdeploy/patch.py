@@ -128,9 +128,11 @@ with self.pending_layer0_signal_lock:
 """,
     adder_recover=f"""
 if recovered_signal is not None:
-    if recovered_signal[1] <= current_info["need_prefill_tokens"]:
+    _, prefilled_token_num = recovered_signal
+    if prefilled_token_num <= current_info["need_prefill_tokens"]:
+        recovered_signal_batch = [recovered_signal]
         {LOG}
-        self.cache_prefilled_engine_ids_queue.put([recovered_signal])
+        self.cache_prefilled_engine_ids_queue.put(recovered_signal_batch)
     else:
         {LOG}
 """,
@@ -152,8 +154,8 @@ if layer_id == 0:
     consumer_store="""
 if pending_engine_signals:
     with self.pending_layer0_signal_lock:
-        for signal in pending_engine_signals:
-            self.pending_layer0_signals[signal[0]] = signal
+        for engine_idx, prefilled_token_num in pending_engine_signals:
+            self.pending_layer0_signals[engine_idx] = (engine_idx, prefilled_token_num)
 """,
     consumer_queue=f"""
 if pending_engine_signals:
