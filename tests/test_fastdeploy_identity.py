@@ -20,7 +20,6 @@ import redis
 
 from redis_layer_signals import IdentityTaken, InvalidConfig, SignalBuffer
 from redis_layer_signals.fastdeploy import Layer0Bridge, bridge_for_messager, instance_name
-from redis_layer_signals.fastdeploy import messager as messager_module
 from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.fastdeploy.identity import pid_namespace
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
@@ -149,20 +148,15 @@ def test_prefill_messager_gets_a_bridge_named_after_its_engine_logging_through_i
         bridge.close()
 
 
-def test_nranks_reaches_a_bridge_that_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_messager_s_tensor_parallel_size_reaches_its_bridge(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLS_REDIS_URL", f"memory://{uuid.uuid4().hex}")
-    seen: list[int] = []
-
-    class GroupBridge(Layer0Bridge):
-        def __init__(self, *args: Any, nranks: int = 1, **kwargs: Any) -> None:
-            seen.append(nranks)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(messager_module, "Layer0Bridge", GroupBridge)
     bridge = prefill(nranks=4)
     assert bridge is not None
-    bridge.close()
-    assert seen == [4]
+    try:
+        assert bridge.group is not None  # one of a group of 4: it queues in the group's order
+        assert bridge.health().group_waiting == 0
+    finally:
+        bridge.close()
 
 
 @pytest.mark.parametrize("registers_tasks", [True, False])

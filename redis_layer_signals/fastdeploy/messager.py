@@ -9,7 +9,6 @@ after its engine, unique per host (``instance_name``), and its rank is the messa
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 import socket
@@ -64,9 +63,6 @@ def bridge_for_messager(
         return None
     buffer = SignalBuffer.from_url(shared_url())
     instance = instance_name(pod_ip, engine_worker_queue_port)
-    options: dict[str, object] = {}
-    if "nranks" in inspect.signature(Layer0Bridge).parameters:
-        options["nranks"] = nranks
     try:
         bridge = Layer0Bridge(
             buffer,
@@ -76,8 +72,8 @@ def bridge_for_messager(
             num_layers=num_layers,
             ready=ready,
             registers_tasks=True,
+            nranks=nranks,
             logger=logger,
-            **options,  # type: ignore[arg-type]
         )
     except BaseException:
         buffer.close()
