@@ -141,4 +141,6 @@ class BufferBase:
             ```
         """
         config, passthrough = BufferConfig.for_url(url, options)
-        return cls(cls.make_client(config.url, config.retry_s), **config.options(), **passthrough)
+        buffer = cls(cls.make_client(config.url, config.retry_s), **config.options(), **passthrough)
+        buffer.config = config  # the same options, and whether the URL was left to the default
+        return buffer

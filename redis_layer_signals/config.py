@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import validation
@@ -41,6 +42,9 @@ class BufferConfig:
     wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
     max_layers: int = DEFAULT_MAX_LAYERS
     eviction: str = DEFAULT_EVICTION  # warn | refuse: see eviction.py
+    url_implicit: bool = field(default=False, compare=False)
+    """``from_url`` was given no URL and ``RLS_REDIS_URL`` is unset: ``url`` is the default
+    ``memory://``, a server private to this process (see ``require_shared``)."""
 
     def __post_init__(self) -> None:
         validation.identifier(self.namespace, "namespace", InvalidConfig)
@@ -84,7 +88,9 @@ class BufferConfig:
         options = dict(options)
         env = options.pop("env", None)
         hooks: dict[str, Any] = {name: options.pop(name) for name in ("clock", "observer") if name in options}
-        return cls.resolve(env, url=url, **options), hooks
+        config = cls.resolve(env, url=url, **options)
+        implicit = url is None and not (os.environ if env is None else env).get(URL_VARIABLE, "")
+        return dataclasses.replace(config, url_implicit=implicit), hooks
 
     def options(self) -> dict[str, Any]:
         """Constructor arguments that reproduce this config without reading the environment."""
@@ -101,6 +107,13 @@ class BufferConfig:
             "eviction": self.eviction,
             "env": {},
         }
+
+
+def require_shared(config: BufferConfig, who: str) -> None:
+    """Refuse a buffer on the implicit ``memory://`` for ``who``, a component whose peers must
+    share the buffer (the FastDeploy bridge): ``InvalidConfig`` naming the variable."""
+    if config.url_implicit:
+        raise InvalidConfig(URL_VARIABLE, None, f"not set, and {who} needs a Redis its peers share: {SHARED_URL_HINT}")
 
 
 URL_VARIABLE = ENV_PREFIX + "REDIS_URL"

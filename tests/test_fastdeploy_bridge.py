@@ -274,3 +274,15 @@ def test_ready_that_is_neither_a_queue_nor_callable_is_refused(buf: SignalBuffer
     with pytest.raises(InvalidConfig) as caught:
         Layer0Bridge(buf, "p0", 0, num_layers=LAYERS, ready=42)  # type: ignore[arg-type]
     assert caught.value.field == "ready"
+
+
+def test_a_bridge_on_the_implicit_memory_url_is_refused_naming_the_variable() -> None:
+    """No URL and no RLS_REDIS_URL: the default memory:// would be this process's alone."""
+    implicit = SignalBuffer.from_url(env={})
+    with pytest.raises(InvalidConfig) as refused:
+        Layer0Bridge(implicit, "p0", 0, num_layers=4)
+    assert refused.value.field == "RLS_REDIS_URL" and "memory://" in str(refused.value)
+    explicit = SignalBuffer.from_url("memory://", env={})
+    Layer0Bridge(explicit, "p0", 0, num_layers=4, registers_tasks=False).close()
+    from_env = SignalBuffer.from_url(env={"RLS_REDIS_URL": "memory://"})
+    assert not from_env.config.url_implicit

@@ -42,6 +42,7 @@ from typing import Any, Protocol, TypeVar
 
 from .. import eviction, replies, validation
 from ..buffer import SignalBuffer
+from ..config import require_shared
 from ..constants import MAX_INT
 from ..errors import IdentityTaken, InvalidConfig, InvalidSignal, InvalidTask, SlotOccupied
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
@@ -164,6 +165,8 @@ class Layer0Bridge:
         lease_s: float = DEFAULT_LEASE_S,
         logger: logging.Logger | None = None,
     ) -> None:
+        # A buffer on the default memory:// would be this process's alone, and nothing would say so.
+        require_shared(buffer.config, "the FastDeploy bridge")
         validation.integer(block_size, "block_size", InvalidConfig, 1, MAX_INT)
         validation.integer(num_layers, "num_layers", InvalidConfig, 1, MAX_INT)
         if not isinstance(probe_s, (int, float)) or isinstance(probe_s, bool) or not 0 < probe_s <= 60:
