@@ -50,7 +50,10 @@ def assert_nothing_lost(outcome: Outcome) -> None:
     assert stats["recorded"] == stats["delivered"] + stats["buffered"]
     assert stats["buffered"] == stats["recovered"] + stats["superseded"] + dropped + stats["finish_dropped"]
     assert (dropped, stats["expired"], stats["finish_dropped"]) == (0, 0, 0)
-    assert stats["delivered"] > 0 and stats["recovered"] > 0, "both orders must have happened"
+    if not stats.get("served_locally") and not stats.get("degraded_ms"):
+        # Redis decided every hand-off (no hook went past its budget and decided locally, as a
+        # starved machine can make one do): each order then shows in its own counter.
+        assert stats["delivered"] > 0 and stats["recovered"] > 0, "both orders must have happened"
     assert stats["registered"] == stats["finished"] == REQUESTS
 
 
