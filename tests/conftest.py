@@ -7,13 +7,13 @@ from __future__ import annotations
 import itertools
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
 from redis_layer_signals import AsyncSignalBuffer, SignalBuffer
-from tests.servers import VALKEY, RedisServer
+from tests.servers import VALKEY, Done, RedisServer
 from tests.topology import AOF_ALWAYS, ClusterTopology, SentinelTopology
 
 _counter = itertools.count()
@@ -120,3 +120,19 @@ async def abuf(url: str, namespace: str) -> AsyncSignalBuffer:
 def raw(buf: SignalBuffer) -> redis.Redis:
     """The buffer's own client, for looking at keys the way an operator would."""
     return buf.client  # type: ignore[no-any-return]
+
+
+@pytest.fixture(name="rls")
+def rls_here(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+    """``rls ARGS`` in this process (the command's own code path, exit code included); the
+    ``rls`` of tests.servers runs it in a subprocess instead."""
+    from redis_layer_signals import cli
+
+    def run(*args: str) -> Done:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(list(args))
+        captured = capsys.readouterr()
+        code = exited.value.code
+        return Done(code if isinstance(code, int) else 1, captured.out, captured.err)
+
+    return run

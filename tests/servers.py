@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis_layer_signals.bench.server import REDIS_SERVER, VALKEY, LocalRedis, free_port, server_binary
@@ -104,6 +105,15 @@ def running(args: Sequence[str] = ()) -> Iterator[RedisServer]:
 
 
 RLS_TIMEOUT_S = 60
+
+
+@dataclass
+class Done:
+    """What ``rls`` did when run in this process (the ``rls`` fixture of conftest)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
 
 
 def rls(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import redis_layer_signals.fastdeploy
 from redis_layer_signals import cli
 from redis_layer_signals.fastdeploy import patch
 from redis_layer_signals.fastdeploy.patch import StructureMismatch, UnreadableSource, patch_source
+from tests.servers import Done
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fastdeploy"
 FIXTURE = FIXTURES / "cache_messager.py"
@@ -39,27 +39,6 @@ ORIGINAL = FIXTURE.read_bytes()
 ORIGINAL_8035 = FIXTURE_8035.read_bytes()
 BOTH = pytest.mark.parametrize("original", [ORIGINAL, ORIGINAL_8035], ids=["pr7872", "pr8035"])
 TIMEOUT_S = 60
-
-
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def rls(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
-    """``rls ARGS`` in this process (the command's own code path, exit code included)."""
-
-    def run(*args: str) -> Done:
-        with pytest.raises(SystemExit) as exited:
-            cli.main(list(args))
-        captured = capsys.readouterr()
-        code = exited.value.code
-        return Done(code if isinstance(code, int) else 1, captured.out, captured.err)
-
-    return run
 
 
 @pytest.fixture

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from redis_layer_signals import cli
 from redis_layer_signals.fastdeploy.signals import KvSignal
 from redis_layer_signals.fastdeploy.tp import GroupOutcome, Rule, run_group
 from redis_layer_signals.fastdeploy.tp_rules import (
@@ -27,7 +25,7 @@ from redis_layer_signals.fastdeploy.tp_rules import (
     ready_split_rule,
 )
 from redis_layer_signals.fastdeploy.tp_workloads import WORKLOADS, Pause, Request, Step, Tasks, Workload
-from tests.servers import RedisServer
+from tests.servers import Done, RedisServer
 from tests.tp_fixture import FixtureRule
 
 RACY = ("mixed_message", "chunked_prefill", "slot_reuse")
@@ -142,27 +140,6 @@ def test_the_bridge_never_deadlocks_and_every_rank_queues_the_same_batches(bridg
 
 
 # -- rls simulate --tp ---------------------------------------------------------------------------
-
-
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def rls(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
-    """``rls ARGS`` in this process: the command's own code path, exit code included."""
-
-    def run(*args: str) -> Done:
-        with pytest.raises(SystemExit) as exited:
-            cli.main(list(args))
-        captured = capsys.readouterr()
-        code = exited.value.code
-        return Done(code if isinstance(code, int) else 1, captured.out, captured.err)
-
-    return run
 
 
 def simulate_tp(rls: Callable[..., Done], tmp_path: Path, *args: str) -> tuple[Done, dict[str, Any]]:
