@@ -150,18 +150,13 @@ def _default(option: Any) -> str:
 
 
 def _range(option: Any) -> str:
-    """The values an option takes, from the annotation typer read (an enum) or its min/max."""
+    """The values an option takes: an enum's members, else the range `rls --help` prints."""
+    from redis_layer_signals.cli_help import range_words
+
     annotation = getattr(getattr(option, "type_descriptor", None), "annotation", None)
     if isinstance(annotation, type) and issubclass(annotation, Enum):
         return ", ".join(f"`{member.value}`" for member in annotation)
-    low, high = getattr(option, "min", None), getattr(option, "max", None)
-    if low is not None and high is not None:
-        return f"`{low}` to `{high}`"
-    if low is not None:
-        return f"≥ `{low}`"
-    if high is not None:
-        return f"≤ `{high}`"
-    return ""
+    return range_words(option)
 
 
 def _cell(text: str) -> str:
