@@ -729,6 +729,16 @@ def bench_command(
             "that freezes its startup heap (without it, a full collection traverses every import's objects).",
         ),
     ] = True,
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            min=1,
+            max=8,
+            help="With --hooks: tensor-parallel ranks, 1 to 8, that many bridges of one group sharing one "
+            "Redis, driven at once (one thread each, the same steps; the dict side likewise).",
+        ),
+    ] = 1,
 ) -> None:
     """Measure record, register and finish against a local dict, naive WATCH/MULTI and a no-op
     EVALSHA floor on one server; write markdown, JSON and a plot."""
@@ -738,6 +748,7 @@ def bench_command(
         from .bench import hooks as hook_bench
 
         hook_argv = ([] if out is None else ["--out", str(out)]) + ([] if gc_freeze else ["--no-gc-freeze"])
+        hook_argv += ["--tp", str(tp)]
         raise typer.Exit(hook_bench.main(hook_argv))
 
     argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]

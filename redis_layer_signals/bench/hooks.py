@@ -11,6 +11,12 @@ and Redis killed. Every hook call is timed. On the healthy server the run also r
 CPU time (``INFO cpu``) and its calls (``INFO commandstats``) per request, with 8 requests in
 flight per forward step.
 
+Tensor parallelism (``--tp N``): the N ranks of one instance, N bridges of one group
+(``nranks=N``) sharing one Redis, each driven by a thread of its own fed the same steps, the
+dict side likewise N instances; the figures are over every rank's calls. The threads share
+this process's interpreter lock, where FastDeploy's ranks are processes of their own: a call
+here also waits while another rank's thread holds it, on either side.
+
 Garbage collection: a full (generation 2) collection pauses every thread for as long as it takes
 to traverse every tracked object of the process, and whatever a thread was doing takes that long
 too, on either side. By default the run calls ``gc.freeze()`` once its imports are done and a
@@ -27,6 +33,7 @@ import contextlib
 import gc
 import json
 import multiprocessing
+import os
 import queue
 import socket
 import statistics
@@ -34,6 +41,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +65,8 @@ REQUESTS_PER_S_PER_RANK = 40
 LAYERS = 61
 PROXY_START_S = 15.0
 HOOKS = ("on_kv_signal", "on_cache_task", "on_task_finished")
+MAX_TP = 8
+"""Ranks ``--tp`` accepts: FastDeploy's tensor-parallel sizes run 1 to 8 GPUs per instance."""
 
 
 class FastDeployDict:
@@ -235,9 +246,21 @@ def _summary(ns: list[int]) -> dict[str, float]:
     }
 
 
-def _bridge(url: str, retry_s: float = 0.5) -> tuple[SignalBuffer, Layer0Bridge]:
-    buffer = SignalBuffer.from_url(url, namespace=f"bench-{uuid.uuid4().hex[:8]}", retry_s=retry_s, env={})
-    return buffer, Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, ready=queue.Queue())
+def _bridges(url: str, tp: int, retry_s: float = 0.5) -> list[tuple[SignalBuffer, Layer0Bridge]]:
+    """The ``tp`` ranks of one instance, a buffer each (a rank is a process of its own) on one
+    namespace, so that above 1 they form one group."""
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    ranks = []
+    for rank in range(tp):
+        buffer = SignalBuffer.from_url(url, namespace=namespace, retry_s=retry_s, env={})
+        ranks.append((buffer, Layer0Bridge(buffer, "p0", rank, num_layers=LAYERS, ready=queue.Queue(), nranks=tp)))
+    return ranks
+
+
+def _close(ranks: list[tuple[SignalBuffer, Layer0Bridge]]) -> None:
+    for buffer, bridge in ranks:
+        bridge.close()
+        buffer.close()
 
 
 def _drain(ready: Any) -> None:
@@ -272,31 +295,38 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
-def _case(url: str, entries: int, steps: int, before: Callable[[], None] | None = None) -> dict[str, Any]:
+def _case(url: str, entries: int, steps: int, before: Callable[[], None] | None = None, tp: int = 1) -> dict[str, Any]:
     """Both sides on the same steps, interleaved in one run (dict, bridge, dict, bridge...)."""
     with GcPauses() as pauses:
-        out = _interleaved(url, entries, steps, before)
+        out = _interleaved(url, entries, steps, before, tp)
     out["longest_gc_us"] = pauses.longest_s * 1e6
     out["full_collections"] = pauses.full
     return out
 
 
-def _interleaved(url: str, entries: int, steps: int, before: Callable[[], None] | None) -> dict[str, Any]:
-    buffer, bridge = _bridge(url)
+def _as_signal(entries: list[tuple[int, int]]) -> KvSignal:
+    return KvSignal(0, tuple(entries))
+
+
+def _interleaved(url: str, entries: int, steps: int, before: Callable[[], None] | None, tp: int) -> dict[str, Any]:
+    ranks = _bridges(url, tp)
     if before is not None:
         before()
-    fd = FastDeployDict()
+    bridges = [bridge for _, bridge in ranks]
+    dicts = [FastDeployDict() for _ in range(tp)]
     dict_times: dict[str, list[int]] = {hook: [] for hook in HOOKS}
     bridge_times: dict[str, list[int]] = {hook: [] for hook in HOOKS}
     rounds = 10
-    for _ in range(rounds):
-        for hook, ns in _drive(fd, entries, steps // rounds, list).items():
-            dict_times[hook] += ns
-        for hook, ns in _drive(bridge, entries, steps // rounds, lambda e: KvSignal(0, tuple(e))).items():
-            bridge_times[hook] += ns
-        _drain(fd.ready)
-        _drain(bridge.ready)
-    out: dict[str, Any] = {"entries": entries, "hooks": {}}
+    with ThreadPoolExecutor(max_workers=tp, thread_name_prefix="rank") as ranks_pool:
+        for _ in range(rounds):
+            for sides, wrap, times in ((dicts, list, dict_times), (bridges, _as_signal, bridge_times)):
+                drive = partial(_drive, entries=entries, steps=steps // rounds, wrap=wrap)
+                for rank_times in ranks_pool.map(drive, sides):  # every rank at once, one thread each
+                    for hook, ns in rank_times.items():
+                        times[hook] += ns
+            for ready in [fd.ready for fd in dicts] + [bridge.ready for bridge in bridges]:
+                _drain(ready)
+    out: dict[str, Any] = {"entries": entries, "tp": tp, "hooks": {}}
     for hook in HOOKS:
         d, b = _summary(dict_times[hook]), _summary(bridge_times[hook])
         out["hooks"][hook] = {"dict": d, "bridge": b, "p50_ratio": b["p50_us"] / d["p50_us"]}
@@ -304,8 +334,7 @@ def _interleaved(url: str, entries: int, steps: int, before: Callable[[], None] 
     out["bridge_all"] = _summary(every)
     out["largest_us"] = out["bridge_all"]["max_us"]
     out["dict_largest_us"] = max(ns for hook in HOOKS for ns in dict_times[hook]) / 1000
-    bridge.close()
-    buffer.close()
+    _close(ranks)
     return out
 
 
@@ -322,30 +351,40 @@ def _flushed(bridge: Layer0Bridge, timeout_s: float) -> None:
         raise RuntimeError(f"the bridge's writer did not catch up within {timeout_s} s")
 
 
-def redis_cost(server: LocalRedis, steps: int) -> dict[str, Any]:
-    """Redis's CPU and calls per request: 8 requests per forward step, 2 chunks each."""
-    buffer, bridge = _bridge(server.url, retry_s=3.0)
+def _feed(bridge: Layer0Bridge, steps: int) -> int:
+    """The steps of ``redis_cost`` on one rank, at a forward step's pace; the requests fed."""
+    requests = 0
+    for first, infos, second, finishes in _steps(8, steps):
+        bridge.on_kv_signal(first)  # the raw message, as FastDeploy passes it
+        for info in infos:
+            bridge.on_cache_task(info)
+        bridge.on_kv_signal(second)
+        for slot, request_id in finishes:
+            bridge.on_task_finished(slot, request_id)
+        requests += len(infos)
+        time.sleep(0.0005)  # a forward step takes time: the writer batches what comes meanwhile
+    return requests
+
+
+def redis_cost(server: LocalRedis, steps: int, tp: int = 1) -> dict[str, Any]:
+    """Redis's CPU and calls per request: 8 requests per forward step, 2 chunks each, on every
+    rank (a request of each rank counts once)."""
+    ranks = _bridges(server.url, tp, retry_s=3.0)
+    bridges = [bridge for _, bridge in ranks]
     client = server.client()
     try:
-        _flushed(bridge, 10)
+        for bridge in bridges:
+            _flushed(bridge, 10)
         cpu0, calls0 = _cpu(client)
         started = time.perf_counter()
-        requests = 0
-        for first, infos, second, finishes in _steps(8, steps):
-            bridge.on_kv_signal(first)  # the raw message, as FastDeploy passes it
-            for info in infos:
-                bridge.on_cache_task(info)
-            bridge.on_kv_signal(second)
-            for slot, request_id in finishes:
-                bridge.on_task_finished(slot, request_id)
-            requests += len(infos)
-            time.sleep(0.0005)  # a forward step takes time: the writer batches what comes meanwhile
-        _flushed(bridge, 30)
+        with ThreadPoolExecutor(max_workers=tp, thread_name_prefix="rank") as ranks_pool:
+            requests = sum(ranks_pool.map(partial(_feed, steps=steps), bridges))
+        for bridge in bridges:
+            _flushed(bridge, 30)
         seconds = time.perf_counter() - started
         cpu1, calls1 = _cpu(client)
     finally:
-        bridge.close()
-        buffer.close()
+        _close(ranks)
         client.close()
     cpu_us = (cpu1 - cpu0) * 1e6 / requests
     return {
@@ -358,49 +397,68 @@ def redis_cost(server: LocalRedis, steps: int) -> dict[str, Any]:
 
 
 def run(
-    entries: Sequence[int] = ENTRIES, steps: int = STEPS, delay_s: float = DELAY_S, gc_freeze: bool = True
+    entries: Sequence[int] = ENTRIES,
+    steps: int = STEPS,
+    delay_s: float = DELAY_S,
+    gc_freeze: bool = True,
+    tp: int = 1,
+    cpu_steps: int = CPU_STEPS,
 ) -> dict[str, Any]:
-    result: dict[str, Any] = {"conditions": {}, "delay_s": delay_s, "steps": steps}
+    if not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be 1 to {MAX_TP}, got {tp}")
+    result: dict[str, Any] = {"conditions": {}, "delay_s": delay_s, "steps": steps, "tp": tp}
+    result["load_average"] = {"start": os.getloadavg()[0]}
     server = LocalRedis(binary=REDIS_SERVER).start()
     try:
         client = server.client()
         result["machine"] = describe(client.info())
         client.close()
-        _case(server.url, max(entries), 20)  # warm-up: every path run once, untimed
+        _case(server.url, max(entries), 20, tp=tp)  # warm-up: every path run once, untimed
         result["gc"] = {"objects": len(gc.get_objects()), "frozen": 0}
         if gc_freeze:
             gc.collect()
             gc.freeze()
             result["gc"]["frozen"] = gc.get_freeze_count()
-        result["conditions"]["healthy"] = [_case(server.url, n, steps) for n in entries]
+        result["conditions"]["healthy"] = [_case(server.url, n, steps, tp=tp) for n in entries]
         proxy = ProxyProcess(server.port, delay_s)
         try:
-            result["conditions"][f"{delay_s * 1000:.0f} ms link"] = [_case(proxy.url, n, steps) for n in entries]
+            link = [_case(proxy.url, n, steps, tp=tp) for n in entries]
+            result["conditions"][f"{delay_s * 1000:.0f} ms link"] = link
         finally:
             proxy.close()
-        result["redis_cost"] = redis_cost(server, CPU_STEPS)
+        result["redis_cost"] = redis_cost(server, cpu_steps, tp)
         outage = []
         for n in entries:
             if server.process is None or server.process.poll() is not None:
                 server.start()
-            outage.append(_case(server.url, n, steps, before=server.kill))
+            outage.append(_case(server.url, n, steps, before=server.kill, tp=tp))
         result["conditions"]["outage"] = outage
     finally:
         server.cleanup()
         if gc_freeze:
             gc.unfreeze()
+    result["load_average"]["end"] = os.getloadavg()[0]
     return result
 
 
 def markdown(result: dict[str, Any]) -> str:
+    tp = result.get("tp", 1)
+    ranks = (
+        "one rank"
+        if tp == 1
+        else f"{tp} ranks of one tensor-parallel group (`nranks={tp}`) sharing one Redis, one thread per rank "
+        f"fed the same steps (the dict side likewise {tp} instances); figures over every rank's calls"
+    )
+    load = result.get("load_average", {})
     lines = [
-        "# The FastDeploy bridge's hooks against FastDeploy's dict",
+        f"# The FastDeploy bridge's hooks against FastDeploy's dict, TP {tp}",
         "",
-        f"One run, both sides interleaved on the same steps; {result['steps']} forward steps per case, "
+        f"One run, both sides interleaved on the same steps, {ranks}; {result['steps']} forward steps per case, "
         "each of `entries` requests prefilled in 2 chunks (2 layer-0 messages, a task and a finish per "
         f"request). Link: a proxy on loopback delaying each byte {result['delay_s'] * 1000:.0f} ms each way. "
         f"Machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, shared with other "
-        f"work while it ran; Python {result['machine']['python']}, Redis {result['machine']['redis_version']}.",
+        f"work while it ran (load average {load.get('start', 0):.1f} at the start, {load.get('end', 0):.1f} at "
+        f"the end); Python {result['machine']['python']}, Redis {result['machine']['redis_version']}.",
         "",
         "| condition | entries | hook | dict p50 µs | bridge p50 µs | ratio | dict p99 µs | bridge p99 µs "
         "| dict max µs | bridge max µs |",
@@ -428,7 +486,19 @@ def markdown(result: dict[str, Any]) -> str:
             for condition, cases in result["conditions"].items()
         )
 
+    worst_p99 = {
+        condition: max(h["bridge"]["p99_us"] for c in cases for h in c["hooks"].values())
+        for condition, cases in result["conditions"].items()
+    }
     lines += [
+        "",
+        "Bridge against the targets (every hook's p99 at most 1 ms, no call over 10 ms), per condition: "
+        + ", ".join(
+            f"{condition} worst p99 {worst_p99[condition]:.0f} µs, largest call "
+            f"{max(c['largest_us'] for c in cases) / 1000:.1f} ms"
+            for condition, cases in result["conditions"].items()
+        )
+        + ".",
         "",
         f"Garbage collection: {frozen}. Largest single hook call, per condition: the bridge's "
         + per_condition(lambda c: c["largest_us"])
@@ -444,8 +514,9 @@ def markdown(result: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        f"Redis's cost, 8 requests in flight per forward step, each prefilled in 2 chunks "
-        f"({cost['requests']} requests): {cost['calls_per_request']:.3f} function calls and "
+        f"Redis's cost, 8 requests in flight per forward step per rank, each prefilled in 2 chunks "
+        f"({cost['requests']} requests over {tp} rank{'s' if tp > 1 else ''}): "
+        f"{cost['calls_per_request']:.3f} function calls and "
         f"{cost['redis_cpu_us_per_request']:.1f} µs of Redis CPU (`INFO cpu`, sys + user) per request; at "
         f"{REQUESTS_PER_S_PER_RANK} requests per second per rank one Redis core serves about "
         f"{cost['ranks_per_core']:.0f} ranks.",
@@ -457,6 +528,15 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     cli = argparse.ArgumentParser(prog="rls bench --hooks", description=__doc__)
     cli.add_argument("--steps", type=int, default=STEPS)
+    cli.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        choices=range(1, MAX_TP + 1),
+        metavar=f"{{1..{MAX_TP}}}",
+        help=f"tensor-parallel ranks, 1 to {MAX_TP}: that many bridges of one group (nranks=N) sharing "
+        "one Redis, one thread each, fed the same steps (the dict side likewise)",
+    )
     cli.add_argument("--out", type=Path, default=None, help="default: a new rls-bench-<time> folder")
     cli.add_argument(
         "--no-gc-freeze",
@@ -464,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="measure without gc.freeze() after the warm-up (full collections traverse every import's objects)",
     )
     args = cli.parse_args(argv)
-    result = run(steps=args.steps, gc_freeze=not args.no_gc_freeze)
+    result = run(steps=args.steps, gc_freeze=not args.no_gc_freeze, tp=args.tp)
     out: Path = args.out or default_out()  # the committed results only when named
     out.mkdir(parents=True, exist_ok=True)
     (out / "hooks.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
