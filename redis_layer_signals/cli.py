@@ -735,8 +735,8 @@ def bench_command(
             "--tp",
             min=1,
             max=8,
-            help="With --hooks: tensor-parallel ranks, 1 to 8, that many bridges of one group sharing one "
-            "Redis, driven at once (one thread each, the same steps; the dict side likewise).",
+            help="With --hooks: tensor-parallel ranks, 1 to 8: that many bridges of one group sharing one "
+            "Redis, a process each (with its dict), fed the same steps at once.",
         ),
     ] = 1,
 ) -> None:
