@@ -4,8 +4,8 @@ FastDeploy's fix is a lock, a dict lookup per entry and a queue put (``FastDeplo
 the bridge is ``redis_layer_signals.fastdeploy.Layer0Bridge`` in FastDeploy's layout
 (the process registers every task of its rank). Both serve the same steps, a forward step of
 ``entries`` requests each prefilled in 2 chunks (first chunk's layer-0 signal before its task,
-the task, the second chunk's signal, the finish), then ``STEP_PAUSE_S`` untimed for the GPU's
-part of the step, under three conditions: a healthy Redis on loopback, the same behind a link
+the task, the second chunk's signal, the finish), then ``step_s`` untimed for the GPU's part
+of the step (``STEP_S``), under three conditions: a healthy Redis on loopback, the same behind a link
 that delays every byte by ``delay_s`` (a proxy on loopback, in a process of its own), and
 Redis killed. Every hook call is timed. On the healthy server the run also reads Redis's
 CPU time (``INFO cpu``) and its calls (``INFO commandstats``) per request, with 8 requests in
@@ -62,9 +62,10 @@ CPU_STEPS = 2000
 REQUESTS_PER_S_PER_RANK = 40
 LAYERS = 61
 PROXY_START_S = 15.0
-STEP_PAUSE_S = 0.001
+STEP_S = 0.02
 """Between forward steps, each side's driver sleeps this long: a forward step's GPU time, during
-which FastDeploy's threads wait."""
+which FastDeploy's hook threads wait. Without it every rank's driver stays runnable all along,
+and N ranks on fewer than N cores measure the scheduler, on either side."""
 HOOKS = ("on_kv_signal", "on_cache_task", "on_task_finished")
 MAX_TP = 8
 """Ranks ``--tp`` accepts: FastDeploy's tensor-parallel sizes run 1 to 8 GPUs per instance."""
@@ -204,7 +205,9 @@ def _steps(entries: int, steps: int) -> Iterator[tuple[Any, list[dict[str, Any]]
         yield first, infos, second, pairs
 
 
-def _drive(side: Any, entries: int, steps: int, wrap: Callable[[list[tuple[int, int]]], Any]) -> dict[str, list[int]]:
+def _drive(
+    side: Any, entries: int, steps: int, wrap: Callable[[list[tuple[int, int]]], Any], step_s: float = 0.0
+) -> dict[str, list[int]]:
     """Run the steps on one side; nanoseconds per hook call. Both sides get the message's
     entries already decoded (``wrap`` gives each its form), as FastDeploy's consumer decodes
     the message itself before its dict: what is timed is the hook."""
@@ -227,7 +230,7 @@ def _drive(side: Any, entries: int, steps: int, wrap: Callable[[list[tuple[int, 
             t = clock()
             side.on_task_finished(slot, request_id)
             times["on_task_finished"].append(clock() - t)
-        time.sleep(STEP_PAUSE_S)  # the rest of a forward step (the GPU's part), untimed
+        time.sleep(step_s)  # the rest of a forward step (the GPU's part), untimed
     return times
 
 
@@ -284,7 +287,7 @@ def _as_signal(entries: list[tuple[int, int]]) -> KvSignal:
     return KvSignal(0, tuple(entries))
 
 
-def _interleaved(bridge: Layer0Bridge, entries: int, steps: int) -> dict[str, Any]:
+def _interleaved(bridge: Layer0Bridge, entries: int, steps: int, step_s: float) -> dict[str, Any]:
     """One rank: both sides on the same steps, interleaved (dict, bridge, dict, bridge...)."""
     fd = FastDeployDict()
     times: dict[str, dict[str, list[int]]] = {side: {hook: [] for hook in HOOKS} for side in ("dict", "bridge")}
@@ -292,7 +295,7 @@ def _interleaved(bridge: Layer0Bridge, entries: int, steps: int) -> dict[str, An
     with GcPauses() as pauses:
         for _ in range(rounds):
             for side, wrap in ((fd, list), (bridge, _as_signal)):
-                for hook, ns in _drive(side, entries, steps // rounds, wrap).items():
+                for hook, ns in _drive(side, entries, steps // rounds, wrap, step_s).items():
                     times["dict" if side is fd else "bridge"][hook] += ns
             _drain(fd.ready)
             _drain(bridge.ready)
@@ -349,7 +352,7 @@ def redis_cost(server: LocalRedis, ranks: Ranks, steps: int) -> dict[str, Any]:
     client = server.client()
     marks: list[tuple[float, int]] = []
     try:
-        requests = sum(ranks.run(("cost", server.url, 8, steps), before=lambda: marks.append(_cpu(client))))
+        requests = sum(ranks.run(("cost", server.url, 8, steps, 0.0), before=lambda: marks.append(_cpu(client))))
         seconds = time.perf_counter() - ranks.went
         cpu1, calls1 = _cpu(client)
     finally:
@@ -435,7 +438,7 @@ def _rank_job(rank: int, tp: int, job: tuple[Any, ...], pipe: Any) -> Any:
             gc.collect()
             gc.freeze()
         return {"objects": objects, "frozen": gc.get_freeze_count()}
-    url, entries, steps = args
+    url, entries, steps, step_s = args
     buffer = SignalBuffer.from_url(url, namespace=namespace, retry_s=3.0 if kind == "cost" else 0.5, env={})
     bridge = Layer0Bridge(buffer, "p0", rank, num_layers=LAYERS, ready=queue.Queue(), nranks=tp)
     try:
@@ -443,7 +446,7 @@ def _rank_job(rank: int, tp: int, job: tuple[Any, ...], pipe: Any) -> Any:
             _flushed(bridge, 10)  # the claim and adoption, out of the figures
         pipe.send(("ok", "ready"))
         pipe.recv()
-        return _feed(bridge, steps) if kind == "cost" else _interleaved(bridge, entries, steps)
+        return _feed(bridge, steps) if kind == "cost" else _interleaved(bridge, entries, steps, step_s)
     finally:
         bridge.close()
         buffer.close()
@@ -456,11 +459,12 @@ def run(
     gc_freeze: bool = True,
     tp: int = 1,
     cpu_steps: int = CPU_STEPS,
+    step_s: float = STEP_S,
 ) -> dict[str, Any]:
     if not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp must be 1 to {MAX_TP}, got {tp}")
     result: dict[str, Any] = {"conditions": {}, "delay_s": delay_s, "steps": steps, "tp": tp}
-    result["step_pause_s"] = STEP_PAUSE_S
+    result["step_s"] = step_s
     result["load_average"] = {"start": os.getloadavg()[0]}
     server = LocalRedis(binary=REDIS_SERVER).start()
     ranks = Ranks(tp)
@@ -470,9 +474,9 @@ def run(
         client.close()
 
         def case(url: str, n: int, before: Callable[[], None] | None = None) -> dict[str, Any]:
-            return _pooled(n, tp, ranks.run(("case", url, n, steps), before))
+            return _pooled(n, tp, ranks.run(("case", url, n, steps, step_s), before))
 
-        ranks.run(("case", server.url, max(entries), 20))  # warm-up: every path run once, untimed
+        ranks.run(("case", server.url, max(entries), 20, 0.0))  # warm-up: every path run once, untimed
         result["gc"] = ranks.run(("gc", gc_freeze))[0]
         result["conditions"]["healthy"] = [case(server.url, n) for n in entries]
         proxy = ProxyProcess(server.port, delay_s)
@@ -508,7 +512,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"One run, both sides interleaved on the same steps, {ranks}; {result['steps']} forward steps per case, "
         "each of `entries` requests prefilled in 2 chunks (2 layer-0 messages, a task and a finish per "
-        f"request), then {result.get('step_pause_s', 0) * 1000:.0f} ms untimed for the GPU's part of the step. "
+        f"request), then {result.get('step_s', 0) * 1000:.0f} ms untimed for the GPU's part of the step. "
         f"Link: a proxy on loopback delaying each byte {result['delay_s'] * 1000:.0f} ms each way. "
         f"Machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, shared with other "
         f"work while it ran (load average {load.get('start', 0):.1f} at the start, {load.get('end', 0):.1f} at "
@@ -593,12 +597,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     cli.add_argument("--out", type=Path, default=None, help="default: a new rls-bench-<time> folder")
     cli.add_argument(
+        "--step-ms",
+        type=float,
+        default=STEP_S * 1000,
+        help="untimed milliseconds between forward steps, the GPU's part (0: the drivers never pause)",
+    )
+    cli.add_argument(
         "--no-gc-freeze",
         action="store_true",
         help="measure without gc.freeze() after the warm-up (full collections traverse every import's objects)",
     )
     args = cli.parse_args(argv)
-    result = run(steps=args.steps, gc_freeze=not args.no_gc_freeze, tp=args.tp)
+    result = run(steps=args.steps, gc_freeze=not args.no_gc_freeze, tp=args.tp, step_s=args.step_ms / 1000)
     out: Path = args.out or default_out()  # the committed results only when named
     out.mkdir(parents=True, exist_ok=True)
     (out / "hooks.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
