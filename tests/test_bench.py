@@ -355,7 +355,7 @@ def test_rls_bench_hooks_forwards_tp_and_refuses_one_out_of_range(monkeypatch: p
 
     forwarded: list[list[str]] = []
     monkeypatch.setattr(hooks, "main", lambda argv: forwarded.append(list(argv)) or 0)
-    assert CliRunner().invoke(app, ["bench", "--hooks", "--tp", "8"]).exit_code == 0
-    assert forwarded == [["--tp", "8"]]
+    assert CliRunner().invoke(app, ["bench", "--hooks", "--tp", "8", "--step-ms", "0"]).exit_code == 0
+    assert forwarded == [["--tp", "8", "--step-ms", "0.0"]]
     refused = CliRunner().invoke(app, ["bench", "--hooks", "--tp", "9"])
     assert refused.exit_code == 2 and not forwarded[1:]
