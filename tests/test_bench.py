@@ -335,7 +335,7 @@ def test_hook_bench_at_tp_2_pools_every_ranks_calls_in_each_condition(tmp_path: 
     assert report.startswith("# The FastDeploy bridge's hooks against FastDeploy's dict, TP 2")
     assert "2 ranks of one tensor-parallel group (`nranks=2`)" in report
     assert report.count("| outage |") == 2 * len(hooks.HOOKS)
-    assert "worst p99" in report and "over 2 ranks" in report
+    assert "the worst hook per condition: healthy bridge p99 " in report and "over 2 ranks" in report
 
 
 def test_hook_bench_refuses_a_tp_outside_1_to_8() -> None:
