@@ -735,7 +735,7 @@ def bench_command(
             "--tp",
             min=1,
             max=8,
-            help="With --hooks: tensor-parallel ranks, 1 to 8: that many bridges of one group sharing one "
+            help="With --hooks: tensor-parallel ranks, that many bridges of one group sharing one "
             "Redis, a process each (with its dict), fed the same steps at once.",
         ),
     ] = 1,
