@@ -729,6 +729,25 @@ def bench_command(
             "that freezes its startup heap (without it, a full collection traverses every import's objects).",
         ),
     ] = True,
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            min=1,
+            max=8,
+            help="With --hooks: tensor-parallel ranks, that many bridges of one group sharing one "
+            "Redis, a process each (with its dict), fed the same steps at once.",
+        ),
+    ] = 1,
+    step_ms: Annotated[
+        float,
+        typer.Option(
+            "--step-ms",
+            min=0,
+            help="With --hooks: untimed milliseconds between forward steps, the GPU's part of a step "
+            "(0: the drivers never pause).",
+        ),
+    ] = 20.0,
 ) -> None:
     """Measure record, register and finish against a local dict, naive WATCH/MULTI and a no-op
     EVALSHA floor on one server; write markdown, JSON and a plot."""
@@ -738,6 +757,7 @@ def bench_command(
         from .bench import hooks as hook_bench
 
         hook_argv = ([] if out is None else ["--out", str(out)]) + ([] if gc_freeze else ["--no-gc-freeze"])
+        hook_argv += ["--tp", str(tp), "--step-ms", str(step_ms)]
         raise typer.Exit(hook_bench.main(hook_argv))
 
     argv = ["--sizes", sizes, "--pending", pending, "--iterations", str(iterations), "--warmup", str(warmup)]

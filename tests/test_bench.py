@@ -308,3 +308,54 @@ def test_hook_bench_runs_the_three_conditions_and_the_writer_batches_redis_calls
     report = hooks.markdown(result)
     assert "| outage | 1 | `on_kv_signal` |" in report
     assert "`gc.freeze()` after the imports" in report and "the dict's healthy" in report
+
+
+def test_hook_bench_at_tp_2_pools_every_ranks_calls_in_each_condition(tmp_path: Path) -> None:
+    """``--tp 2``: two bridges of one group and two dicts, driven at once; every case holds both
+    ranks' calls (twice one rank's), per hook, on both sides, and the report says TP 2."""
+    from redis_layer_signals.bench import hooks
+
+    result = hooks.run(entries=(1, 2), steps=10, delay_s=0.05, tp=2, cpu_steps=20)
+    assert result["tp"] == 2 and set(result["load_average"]) == {"start", "end"}
+    assert set(result["conditions"]) == {"healthy", "50 ms link", "outage"}
+    for cases in result["conditions"].values():
+        assert [case["entries"] for case in cases] == [1, 2]
+        for case in cases:
+            calls = {"on_kv_signal": 2 * 10, "on_cache_task": case["entries"] * 10}
+            calls["on_task_finished"] = calls["on_cache_task"]
+            assert case["tp"] == 2
+            for hook in hooks.HOOKS:
+                figures = case["hooks"][hook]
+                assert figures["dict"]["calls"] == figures["bridge"]["calls"] == 2 * calls[hook]
+                assert figures["bridge"]["p50_us"] <= figures["bridge"]["p99_us"] <= figures["bridge"]["max_us"]
+                assert figures["p50_ratio"] > 0
+            assert case["largest_us"] == max(h["bridge"]["max_us"] for h in case["hooks"].values())
+    assert result["redis_cost"]["requests"] == 2 * 8 * 20
+    report = hooks.markdown(result)
+    assert report.startswith("# The FastDeploy bridge's hooks against FastDeploy's dict, TP 2")
+    assert "2 ranks of one tensor-parallel group (`nranks=2`)" in report
+    assert report.count("| outage |") == 2 * len(hooks.HOOKS)
+    assert "the worst hook per condition: healthy bridge p99 " in report and "over 2 ranks" in report
+
+
+def test_hook_bench_refuses_a_tp_outside_1_to_8() -> None:
+    from redis_layer_signals.bench import hooks
+
+    with pytest.raises(SystemExit):
+        hooks.main(["--tp", "9"])
+    with pytest.raises(ValueError, match="tp must be 1 to 8, got 0"):
+        hooks.run(tp=0)
+
+
+def test_rls_bench_hooks_forwards_tp_and_refuses_one_out_of_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from redis_layer_signals.bench import hooks
+    from redis_layer_signals.cli import app
+
+    forwarded: list[list[str]] = []
+    monkeypatch.setattr(hooks, "main", lambda argv: forwarded.append(list(argv)) or 0)
+    assert CliRunner().invoke(app, ["bench", "--hooks", "--tp", "8", "--step-ms", "0"]).exit_code == 0
+    assert forwarded == [["--tp", "8", "--step-ms", "0.0"]]
+    refused = CliRunner().invoke(app, ["bench", "--hooks", "--tp", "9"])
+    assert refused.exit_code == 2 and not forwarded[1:]
