@@ -244,7 +244,7 @@ def simulate_command(
             soft_wrap=True,
         )
         raise typer.Exit(EXIT_FAILED)
-    if chaos_outage is not None:  # see fastdeploy/outage.py
+    if chaos_outage is not None:  # see simulate/outage.py
         outage_run(chaos_outage, requests, layers, seed, chaos_retry_s, chaos_down_s, json_path)
         return
     config = SimConfig(
@@ -327,7 +327,7 @@ def outage_run(
     restart: str, requests: int, layers: int, seed: int, retry_s: float, down_s: float, json_path: Path | None
 ) -> None:
     """``simulate --chaos-outage``: the FastDeploy reference messager through a Redis outage."""
-    from .fastdeploy.outage import run_outage
+    from .simulate.outage import run_outage
 
     err.print(f"reference messager, {requests} requests, Redis SIGKILLed for {down_s}s, restart: {restart}")
     report = run_outage(restart, requests=requests, seed=seed, layers=layers, retry_s=retry_s, down_s=down_s)

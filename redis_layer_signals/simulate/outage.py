@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from ..bench.server import LocalRedis
 from ..buffer import SignalBuffer
 from ..errors import InvalidConfig
-from .reference import ReferenceMessager
-from .workload import INSTANCE, RANK, Outcome, make_plans, run
+from ..fastdeploy.reference import ReferenceMessager
+from ..fastdeploy.workload import INSTANCE, RANK, Outcome, make_plans, run
 
 RESTARTS = ("empty", "aof", "never")
 AOF_ALWAYS = ("--appendonly", "yes", "--appendfsync", "always")
