@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from redis_layer_signals import CacheTask, DropReason, SignalBuffer
-from redis_layer_signals.metrics import BufferMetrics, CounterSample, counter_sample
+from redis_layer_signals.ops.metrics import BufferMetrics, CounterSample, counter_sample
 from tests.servers import RedisServer, free_port, wait_until
 from tests.topology import ClusterTopology
 

@@ -23,8 +23,8 @@ from redis_layer_signals import (
     ServerOutOfMemory,
     SignalBuffer,
     SignalBufferError,
-    acl,
 )
+from redis_layer_signals.ops import acl
 from tests.servers import REDIS_SERVER, VALKEY, RedisServer
 from tests.topology import ClusterTopology, SentinelTopology
 
@@ -332,7 +332,7 @@ def test_max_layers_default_and_validation() -> None:
 def test_eviction_is_evidenced_by_the_exporter(binary: str) -> None:
     """volatile-lru (several managed services' default) evicts our keys, which all carry a
     TTL, but not the counters: only their mismatch, and the server's evicted_keys, show it."""
-    from redis_layer_signals.metrics import BufferMetrics
+    from redis_layer_signals.ops.metrics import BufferMetrics
     from tests.test_metrics import sample
 
     server = RedisServer(["--maxmemory-policy", "volatile-lru", "--maxmemory-samples", "10"], binary=binary).start()
@@ -366,7 +366,7 @@ def test_eviction_is_evidenced_by_the_exporter(binary: str) -> None:
 
 
 def test_exporter_works_under_its_read_only_acl_rules() -> None:
-    from redis_layer_signals.metrics import BufferMetrics
+    from redis_layer_signals.ops.metrics import BufferMetrics
     from tests.test_metrics import sample
 
     server = RedisServer(["--maxmemory-policy", "allkeys-lru"]).start()

@@ -34,11 +34,12 @@ import queue
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import eviction, validation
-from ..buffer import SignalBuffer
+from .. import validation
+from ..buffer.sync import SignalBuffer
 from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask
 from ..models import CacheTask, FinishResult
+from ..server import eviction
 from .cache_info import META_DEST_BLOCKS, META_PASSTHROUGH, META_SRC_BLOCKS, block_ids
 from .cache_info import cache_task as _cache_task
 from .context import (

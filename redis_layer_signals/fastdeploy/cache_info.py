@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .. import replies, validation
+from .. import validation
 from ..constants import MAX_INT
 from ..errors import InvalidTask
 from ..models import CacheTask
+from ..protocol import replies
 
 META_SRC_BLOCKS = "src_block_ids"
 META_DEST_BLOCKS = "dest_block_ids"

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..errors import InvalidSignal, InvalidTask
 from ..models import CacheTask
 from .local import LocalState

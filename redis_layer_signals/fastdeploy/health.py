@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..metrics import RANK_LABELS, Exporter, TrackedCollector
+from ..ops.metrics import RANK_LABELS, Exporter, TrackedCollector
 
 if TYPE_CHECKING:
-    from ..buffer import SignalBuffer
+    from ..buffer.sync import SignalBuffer
 
 OPERATIONS = ("on_kv_signal", "on_cache_task", "on_task_finished")
 """The three hooks, as the ``operation`` label spells them."""

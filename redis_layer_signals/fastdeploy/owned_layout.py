@@ -19,8 +19,8 @@ from typing import Any
 
 from ..errors import IdentityTaken
 from ..models import CacheTask, FinishResult
-from ..protocol import new_token
-from ..replies import text
+from ..protocol.calls import new_token
+from ..protocol.replies import text
 from .context import STATS_DEGRADED_MS, STATS_RECONCILED, STATS_SERVED_LOCALLY, Batch, RankContext
 from .group import GroupQueue, Progress
 from .identity import TAKEN, TOOK, ClaimResult, IdentityClaim, release_quietly

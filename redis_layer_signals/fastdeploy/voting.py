@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..protocol import new_token
+from ..protocol.calls import new_token
 from .context import Batch, RankContext
 from .group import GroupQueue, Outcome, Progress
 

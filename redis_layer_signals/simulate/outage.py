@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..bench.server import LocalRedis
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..errors import InvalidConfig
-from ..fastdeploy.reference import ReferenceMessager
-from ..fastdeploy.workload import INSTANCE, RANK, Outcome, make_plans, run
+from ..fastdeploy.demo.reference import ReferenceMessager
+from ..fastdeploy.demo.workload import INSTANCE, RANK, Outcome, make_plans, run
 
 RESTARTS = ("empty", "aof", "never")
 AOF_ALWAYS = ("--appendonly", "yes", "--appendfsync", "always")

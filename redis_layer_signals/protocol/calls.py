@@ -13,9 +13,9 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
-from . import validation
-from .config import BufferConfig
-from .constants import (
+from .. import validation
+from ..config import BufferConfig
+from ..constants import (
     KEY_PREFIX,
     MAX_BATCH,
     MAX_INT,
@@ -25,9 +25,9 @@ from .constants import (
     TASK_KEY_GRACE_S,
     WRITER_KEY_TTL_S,
 )
-from .errors import InvalidSignal, InvalidTask, SlotOccupied
+from ..errors import InvalidSignal, InvalidTask, SlotOccupied
+from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
 from .keys import GroupKeys, KeySpace, RankKeys
-from .models import CacheTask, FinishResult, RecordResult, RegisterResult
 from .replies import (
     batch_signals,
     by_flag,

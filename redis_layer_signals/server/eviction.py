@@ -22,47 +22,27 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from .errors import EvictingServer
+from ..constants import REFUSE
+from ..errors import EvictingServer
+from ..protocol.replies import text
+from .nodes import is_cluster, is_fake, label
 
 logger = logging.getLogger("redis_layer_signals")
 
 SAFE_POLICY = "noeviction"
 UNKNOWN = "unknown"
 """The policy when neither ``CONFIG GET`` nor ``INFO`` is allowed: not warned as evicting."""
-WARN, REFUSE = "warn", "refuse"
-EVICTION_MODES = (WARN, REFUSE)
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
-
-
-def is_fake(client: Any) -> bool:
-    """An in-process fakeredis server (``memory://``): it never evicts, and has no CONFIG."""
-    return type(client).__module__.startswith("fakeredis")
-
-
-def is_cluster(client: Any) -> bool:
-    return callable(getattr(client, "get_primaries", None))
-
-
-def label(client: Any) -> str:
-    """How the logs and metrics name the server a plain or Sentinel client talks to."""
-    pool = getattr(client, "connection_pool", None)
-    service = getattr(pool, "service_name", None)
-    if service is not None:
-        return f"sentinel:{service}"
-    kwargs: Mapping[str, Any] = getattr(pool, "connection_kwargs", {})
-    if "path" in kwargs:
-        return f"unix:{kwargs['path']}"
-    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
 
 
 def policy_of_config(reply: Any) -> str | None:
     """``CONFIG GET maxmemory-policy`` as redis-py parses it (a dict), or None."""
     if isinstance(reply, Mapping):
         for name, value in reply.items():
-            if _text(name) == "maxmemory-policy":
-                return _text(value)
+            if text(name) == "maxmemory-policy":
+                return text(value)
     return None
 
 
@@ -71,12 +51,8 @@ def policy_of_info(reply: Any) -> str | None:
     if isinstance(reply, Mapping):
         value = reply.get("maxmemory_policy")
         if value is not None:
-            return _text(value)
+            return text(value)
     return None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def read_policy(client: Any, **target: Any) -> str:

@@ -29,7 +29,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from .eviction import is_cluster, is_fake, label
+from ..protocol.replies import text
+from .nodes import is_cluster, is_fake, label
 
 logger = logging.getLogger("redis_layer_signals")
 
@@ -84,15 +85,11 @@ def config_names(kind: str) -> tuple[str, ...]:
     return (APPENDONLY, MIN_REPLICAS, MAX_LAG) if kind == SENTINEL else (APPENDONLY,)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def parse_config(reply: Any) -> dict[str, str]:
     """``CONFIG GET``'s reply as redis-py parses it (a dict), as text."""
     if not isinstance(reply, Mapping):
         return {}
-    return {_text(name): _text(value) for name, value in reply.items()}
+    return {text(name): text(value) for name, value in reply.items()}
 
 
 def needs_info(kind: str, config: Mapping[str, str]) -> bool:

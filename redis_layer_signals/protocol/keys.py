@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .constants import KEY_PREFIX
+from ..constants import KEY_PREFIX
 
 PENDING_LAYERS = "layers"
 """The pending hash's field that lists the layers buffered on the rank (see lua/_lib.lua)."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import routing
-from .config import BufferConfig
+from ..config import BufferConfig
+from ..protocol.calls import Clock, Protocol
+from ..server.nodes import is_cluster
 from .owed import OwedFinishes
-from .protocol import Clock, Protocol
 
 Observer = Callable[[str, float], None]
 """Called with (operation, seconds) after each successful call: the metrics hook."""
@@ -103,7 +103,7 @@ class BufferBase:
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
         self._direct = self.direct_calls(client)
-        self._cluster = routing.is_cluster(client)
+        self._cluster = is_cluster(client)
         """A Cluster client: the sync buffer routes its function calls itself (see ``routing``)."""
         self._server_unchecked = True
         """Set until the server's maxmemory-policy is read, and again after a retryable error

@@ -34,8 +34,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BufferUnavailable, OwedFinishesFull
-from .protocol import Prepared
+from ..errors import BufferUnavailable, OwedFinishesFull
+from ..protocol.calls import Prepared
 
 logger = logging.getLogger("redis_layer_signals")
 

@@ -10,19 +10,21 @@ from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
 
-from . import connection, deadline, durability, eviction, replication, routing, wire
+from ..constants import WARN
+from ..errors import BufferUnavailable, ServerOutOfMemory
+from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from ..protocol.calls import Applied, Prepared, ScriptCall
+from ..protocol.counters import sum_stats
+from ..protocol.keys import PENDING_LAYERS
+from ..protocol.replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
+from ..server import durability, eviction
+from ..server.durability import ServerPolicies
+from ..server.library import FUNCTIONS, LibraryMissing, ensure_library, function_missing
+from ..server.permissions import ServerRefused, from_server, refused
+from ..transport import connection, deadline, replication, routing, wire
+from ..transport.retry import RETRYABLE, Attempts, cut_by_deadline
 from .base import BufferBase
-from .counters import sum_stats
-from .durability import ServerPolicies
-from .errors import BufferUnavailable, ServerOutOfMemory
-from .keys import PENDING_LAYERS
-from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .owed import OwedFinish
-from .permissions import ServerRefused, from_server, refused
-from .protocol import Applied, Prepared, ScriptCall
-from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
-from .retry import RETRYABLE, Attempts, cut_by_deadline
-from .scripts import FUNCTIONS, LibraryMissing, ensure_library, function_missing
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -173,7 +175,7 @@ class SignalBuffer(BufferBase):
         Its ``durability`` holds each server's settings that decide what a restart or a
         failover loses, warned about the same way (see ``durability``)."""
         self.policies = self._retrying("policy", partial(eviction.server_policies, self.client))
-        eviction.judge(self.policies, eviction.WARN)
+        eviction.judge(self.policies, WARN)
         wait_replicas = self.config.wait_replicas
         self.durability = self._retrying("durability", partial(durability.server_settings, self.client, wait_replicas))
         durability.judge(self.durability)

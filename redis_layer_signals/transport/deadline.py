@@ -52,7 +52,7 @@ _local = threading.local()
 
 call_deadline: ContextVar[float | None] = ContextVar("rls_call_deadline", default=None)
 """The async buffers' deadline of the call in progress, per task (a ``time.monotonic()``
-reading): ``redis_layer_signals.wire.AsyncDirectCalls`` reads each reply within it."""
+reading): ``redis_layer_signals.transport.wire.AsyncDirectCalls`` reads each reply within it."""
 
 
 def bounded(deadline: float) -> float | None:

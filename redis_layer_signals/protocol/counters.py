@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .models import DropReason
+from ..models import DropReason
 from .replies import text
 
 

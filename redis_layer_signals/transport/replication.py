@@ -25,10 +25,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..errors import InvalidConfig, SignalBufferError
+from ..protocol.calls import ScriptCall
+from ..server.library import FUNCTIONS, LibraryMissing, async_ensure_library, ensure_library, function_missing
+from ..server.nodes import is_cluster
 from . import routing
-from .errors import InvalidConfig, SignalBufferError
-from .protocol import ScriptCall
-from .scripts import FUNCTIONS, LibraryMissing, async_ensure_library, ensure_library, function_missing
 
 WAITED_OPERATIONS = ("record", "register", "finish")
 """Calls whose effects a caller acts on right away: worth a replica's confirmation. ``finish``
@@ -80,7 +81,7 @@ def run_and_wait(
 ) -> Any:
     """One function call followed by ``WAIT`` on the same connection, reading for at most
     until ``deadline`` (a ``time.monotonic()`` reading); see the module docstring."""
-    if not routing.is_cluster(client):
+    if not is_cluster(client):
         return _run_on(client, call, operation, wanted, timeout_ms, False, deadline)
 
     def on_node(node_client: Any, asking: bool) -> Any:
@@ -109,7 +110,7 @@ def _missing_again(operation: str, results: list[Any]) -> None:
 
 async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:
     """``run_and_wait`` for redis.asyncio (single server or Sentinel)."""
-    if routing.is_cluster(client):  # raised before anything is sent
+    if is_cluster(client):  # raised before anything is sent
         raise InvalidConfig("wait_replicas", wanted, "is not supported on an asyncio Redis Cluster client yet")
     results = await _async_pipelined(client, call, wanted, timeout_ms)
     if function_missing(results[-2]):

@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..buffer import SignalBuffer
-from .bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, QueueLike, block_ids, layer0_entries
+from ...buffer.sync import SignalBuffer
+from ..bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, QueueLike, block_ids, layer0_entries
+from ..signals import KvSignal, decode_kv_signal
 from .scripted import RecordingTransport
-from .signals import KvSignal, decode_kv_signal
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import fields
 from itertools import repeat
 from typing import Any
 
-from .models import (
+from ..models import (
     CacheTask,
     DropReason,
     FinishResult,

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..buffer import SignalBuffer
-from .bridge import DEFAULT_BLOCK_SIZE, Layer0Bridge, QueueLike
-from .health import BridgeHealth
+from ...buffer.sync import SignalBuffer
+from ..bridge import DEFAULT_BLOCK_SIZE, Layer0Bridge, QueueLike
+from ..health import BridgeHealth
 from .reference import STOP, ReferenceMessager, run_adder_process
 from .scripted import PrefillRequest, RecordingTransport, ScriptedGpu
 

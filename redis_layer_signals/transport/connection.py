@@ -26,9 +26,9 @@ from urllib.parse import parse_qs, unquote
 
 from redis.exceptions import ConnectionError, ResponseError
 
+from ..errors import InvalidConfig
 from . import routing
 from .deadline import with_deadline
-from .errors import InvalidConfig
 
 MEMORY = "memory"
 SINGLE_SCHEMES = ("redis", "rediss", "unix")

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .buffer import SignalBuffer
-from .keys import KeySpace
-from .replies import decode_task, pending_records, split_holder, text
+from ..buffer.sync import SignalBuffer
+from ..protocol.keys import KeySpace
+from ..protocol.replies import decode_task, pending_records, split_holder, text
 
 PURGE_BATCH = 500
 """Keys removed per UNLINK: bounds one command's work on the server."""

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidSignal
-from .bridge import DEFAULT_BLOCK_SIZE
-from .signals import KV_SIGNAL_MAX_TASKS, encode_kv_signal
+from ...errors import InvalidSignal
+from ..bridge import DEFAULT_BLOCK_SIZE
+from ..signals import KV_SIGNAL_MAX_TASKS, encode_kv_signal
 
 DEST_BLOCK_BASE = 100_000
 """Decode-side block ids start here, so a write's source and destination never look alike."""

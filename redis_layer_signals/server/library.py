@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ResponseError
 
-from .errors import LibraryMismatch, SignalBufferError
+from ..errors import LibraryMismatch, SignalBufferError
+from ..protocol.replies import text
+from .nodes import is_cluster
 
 if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotation is only read by type checkers
     from importlib.resources.abc import Traversable
@@ -70,7 +72,7 @@ def _lua_dir() -> Traversable:
     packaged = resources.files("redis_layer_signals") / "lua"
     if packaged.is_dir():
         return packaged
-    checkout = Path(__file__).resolve().parent.parent / "lua"
+    checkout = Path(__file__).resolve().parents[2] / "lua"
     if checkout.is_dir():
         return checkout
     raise FileNotFoundError("redis_layer_signals: Lua code not found in the package or checkout")
@@ -112,14 +114,10 @@ def _already_loaded(error: BaseException) -> bool:
     return isinstance(error, ResponseError) and _EXISTS in str(error).lower()
 
 
-def _text(reply: Any) -> str:
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
-
-
 def _node_of(client: Any, key: str | None) -> dict[str, Any]:
     """``execute_command`` options that send a library command to ``key``'s node of a Cluster
     client (the node that answered "Function not found"); nothing for one server."""
-    if key is None or not hasattr(client, "get_node_from_key"):
+    if key is None or not is_cluster(client):
         return {}
     return {"target_nodes": client.get_node_from_key(key)}
 
@@ -129,7 +127,7 @@ def served_digest(client: Any, key: str | None = None) -> str | None:
     has no ``rls_v2_digest`` (no library, or one that reports none)."""
     keys = [] if key is None else [key]
     try:
-        return _text(client.fcall(DIGEST_FUNCTION, len(keys), *keys))
+        return text(client.fcall(DIGEST_FUNCTION, len(keys), *keys))
     except ResponseError as exc:
         if function_missing(exc):
             return None
@@ -140,7 +138,7 @@ async def async_served_digest(client: Any, key: str | None = None) -> str | None
     """``served_digest`` for redis.asyncio clients."""
     keys = [] if key is None else [key]
     try:
-        return _text(await client.fcall(DIGEST_FUNCTION, len(keys), *keys))
+        return text(await client.fcall(DIGEST_FUNCTION, len(keys), *keys))
     except ResponseError as exc:
         if function_missing(exc):
             return None
@@ -198,7 +196,7 @@ def load_library(client: Any, replace: bool = False) -> None:
 def nodes(client: Any) -> list[tuple[str, Any]]:
     """(name, client of that node) for each primary of a Cluster client, else the one server:
     where the library lives (each primary keeps its own)."""
-    if hasattr(client, "get_primaries"):
+    if is_cluster(client):
         return [(node.name, node.redis_connection) for node in client.get_primaries()]
     kwargs = client.connection_pool.connection_kwargs
     return [(f"{kwargs.get('host', kwargs.get('path', 'server'))}:{kwargs.get('port', '')}".rstrip(":"), client)]
@@ -210,6 +208,6 @@ def served_code(client: Any) -> str | None:
     for entry in client.function_list(library=LIBRARY_NAME, withcode=True):
         fields = dict(zip(entry[::2], entry[1::2], strict=True))
         name = fields.get(b"library_name", fields.get("library_name"))
-        if name is not None and _text(name) == LIBRARY_NAME:
-            return _text(fields.get(b"library_code", fields.get("library_code")))
+        if name is not None and text(name) == LIBRARY_NAME:
+            return text(fields.get(b"library_code", fields.get("library_code")))
     return None

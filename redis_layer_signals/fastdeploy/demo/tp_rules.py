@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..buffer import SignalBuffer
-from .bridge import Layer0Bridge
-from .signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
+from ...buffer.sync import SignalBuffer
+from ..bridge import Layer0Bridge
+from ..signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
 from .tp import RankIO, RankMessager, new_signal_buffer
 
 

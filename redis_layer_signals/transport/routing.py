@@ -36,18 +36,13 @@ from typing import Any, TypeVar
 
 from redis.exceptions import AskError, ConnectionError, MovedError, ResponseError, SlotNotCoveredError, TimeoutError
 
-from .errors import SignalBufferError
+from ..errors import SignalBufferError
 
 T = TypeVar("T")
 
 
 class SlotMoved(SignalBufferError):
     """The hash slot moved while a call ran on Redis Cluster (retryable)."""
-
-
-def is_cluster(client: Any) -> bool:
-    """Whether ``client`` is a redis-py Cluster client, sync or async (it has a slot table)."""
-    return hasattr(client, "get_node_from_key") and hasattr(client, "nodes_manager")
 
 
 class SlotRefresher:

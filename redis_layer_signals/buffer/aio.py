@@ -10,20 +10,22 @@ from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, ResponseError, SlotNotCoveredError
 
-from . import connection, durability, eviction, replication, wire
+from ..constants import WARN
+from ..errors import BufferUnavailable, ServerOutOfMemory
+from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from ..protocol.calls import Prepared, ScriptCall
+from ..protocol.counters import sum_stats
+from ..protocol.keys import PENDING_LAYERS
+from ..protocol.replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
+from ..server import durability, eviction
+from ..server.durability import ServerPolicies
+from ..server.library import FUNCTIONS, LibraryMissing, async_ensure_library, function_missing
+from ..server.permissions import ServerRefused, from_server, refused
+from ..transport import connection, replication, wire
+from ..transport.deadline import async_timeout, call_deadline
+from ..transport.retry import RETRYABLE, Attempts
 from .base import BufferBase
-from .counters import sum_stats
-from .deadline import async_timeout, call_deadline
-from .durability import ServerPolicies
-from .errors import BufferUnavailable, ServerOutOfMemory
-from .keys import PENDING_LAYERS
-from .models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from .owed import OwedFinish
-from .permissions import ServerRefused, from_server, refused
-from .protocol import Prepared, ScriptCall
-from .replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
-from .retry import RETRYABLE, Attempts
-from .scripts import FUNCTIONS, LibraryMissing, async_ensure_library, function_missing
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -127,7 +129,7 @@ class AsyncSignalBuffer(BufferBase):
         """Each server's ``maxmemory-policy`` and durability settings, read now (see
         SignalBuffer.server_policies)."""
         self.policies = await self._retrying("policy", partial(eviction.async_server_policies, self.client))
-        eviction.judge(self.policies, eviction.WARN)
+        eviction.judge(self.policies, WARN)
         read = partial(durability.async_server_settings, self.client, self.config.wait_replicas)
         self.durability = await self._retrying("durability", read)
         durability.judge(self.durability)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .signals import KV_SIGNAL_LENGTH, NO_SIGNAL, SIGNAL_LAYER, encode_kv_signal
+from ..signals import KV_SIGNAL_LENGTH, NO_SIGNAL, SIGNAL_LAYER, encode_kv_signal
 from .tp_workloads import AwaitFinished, Pause, Step, Tasks, Workload
 
 Batch = tuple[tuple[int, int], ...]

@@ -18,7 +18,8 @@ import re
 
 from redis.exceptions import NoPermissionError as ServerRefused
 
-from .errors import NoPermissionError
+from ..errors import NoPermissionError
+from ..protocol.replies import text
 
 __all__ = ["ServerRefused", "from_server", "refused"]
 
@@ -27,10 +28,10 @@ _COMMAND = re.compile(r"run the '([^']+)' command")
 
 def refused(operation: str, reply: bytes | str) -> NoPermissionError | None:
     """The error for ``rls_v2_permissions``' reply, or None when everything is allowed."""
-    text = reply.decode() if isinstance(reply, bytes) else str(reply)
-    if not text:
+    message = text(reply)
+    if not message:
         return None
-    command, _, key = text.partition(" ")
+    command, _, key = message.partition(" ")
     return NoPermissionError(operation, command, f"on {key}" if key else "")
 
 

@@ -8,11 +8,11 @@ import time
 
 from redis import exceptions as rx
 
+from ..errors import BufferUnavailable
+from ..server.library import LibraryMissing
 from . import deadline
-from .errors import BufferUnavailable
 from .replication import NotReplicated
 from .routing import SlotMoved
-from .scripts import LibraryMissing
 
 RETRYABLE: tuple[type[BaseException], ...] = (
     rx.ConnectionError,  # includes BusyLoadingError (a restarted server loading its AOF)
