@@ -69,7 +69,7 @@ import redis
 from redis_layer_signals import CacheTask, SignalBuffer
 from redis_layer_signals.bench.baselines import Floor
 from redis_layer_signals.bench.server import BenchServerError, LocalRedis
-from redis_layer_signals.protocol import ScriptCall
+from redis_layer_signals.protocol.calls import ScriptCall
 
 INSTANCE, RANK, NUM_LAYERS, NEED, TOKENS = "ir", 0, 61, 1 << 20, 2048
 TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)

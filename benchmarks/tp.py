@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from redis_layer_signals.fastdeploy.tp import GroupOutcome, Rule, run_group
-from redis_layer_signals.fastdeploy.tp_rules import (
+from redis_layer_signals.fastdeploy.demo.tp import GroupOutcome, Rule, run_group
+from redis_layer_signals.fastdeploy.demo.tp_rules import (
     all_pending_rule,
     bridge_rule,
     ready_split_rule,
 )
-from redis_layer_signals.fastdeploy.tp_workloads import WORKLOADS
+from redis_layer_signals.fastdeploy.demo.tp_workloads import WORKLOADS
 from tests.tp_fixture import FixtureRule
 
 

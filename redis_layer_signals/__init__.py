@@ -5,8 +5,8 @@ where to send it may arrive later, on another path, even in another process. The
 early signals in Redis until their task registers, atomically, so none is lost or sent twice.
 """
 
-from .aio import AsyncSignalBuffer
-from .buffer import SignalBuffer
+from .buffer.aio import AsyncSignalBuffer
+from .buffer.sync import SignalBuffer
 from .config import BufferConfig
 from .errors import (
     BufferUnavailable,

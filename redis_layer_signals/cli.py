@@ -22,12 +22,14 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import __version__, admin, eviction
-from .buffer import SignalBuffer
+from . import __version__
+from .buffer.sync import SignalBuffer
 from .cli_help import HelpTyper
 from .config import shared_url
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import BufferUnavailable, SignalBufferError
+from .ops import admin
+from .server import eviction
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
 from .simulate.chaos import foreign_faults, run_with_chaos
 from .simulate.report import clip, table
@@ -244,7 +246,7 @@ def simulate_command(
             soft_wrap=True,
         )
         raise typer.Exit(EXIT_FAILED)
-    if chaos_outage is not None:  # see fastdeploy/outage.py
+    if chaos_outage is not None:  # see simulate/outage.py
         outage_run(chaos_outage, requests, layers, seed, chaos_retry_s, chaos_down_s, json_path)
         return
     config = SimConfig(
@@ -327,7 +329,7 @@ def outage_run(
     restart: str, requests: int, layers: int, seed: int, retry_s: float, down_s: float, json_path: Path | None
 ) -> None:
     """``simulate --chaos-outage``: the FastDeploy reference messager through a Redis outage."""
-    from .fastdeploy.outage import run_outage
+    from .simulate.outage import run_outage
 
     err.print(f"reference messager, {requests} requests, Redis SIGKILLed for {down_s}s, restart: {restart}")
     report = run_outage(restart, requests=requests, seed=seed, layers=layers, retry_s=retry_s, down_s=down_s)
@@ -582,7 +584,7 @@ def metrics_command(
     ] = 0.0,
 ) -> None:
     """Serve the namespace's counters and latency histograms in the Prometheus text format."""
-    from .metrics import BufferMetrics
+    from .ops.metrics import BufferMetrics
 
     metrics = BufferMetrics()
     url = _server_of("metrics", redis)
@@ -622,18 +624,19 @@ def library_load_command(
 
     Without --replace, a server that has another rls_v2 is left as it is and the command fails
     naming both digests."""
-    from . import connection, scripts
+    from .server import library
+    from .transport import connection
 
     client = connection.sync_client(_server_of("library load", redis), retry_s=5.0)
-    digest = scripts.library().digest
+    digest = library.library().digest
     try:
-        for name, node in scripts.nodes(client):
+        for name, node in library.nodes(client):
             if replace:
-                scripts.load_library(node, replace=True)
+                library.load_library(node, replace=True)
                 done = "loaded"
             else:
-                done = "loaded" if scripts.ensure_library(node) else "already loaded"
-            typer.echo(f"{name}: {scripts.LIBRARY_NAME} {done}, digest {digest}")  # one line, never wrapped
+                done = "loaded" if library.ensure_library(node) else "already loaded"
+            typer.echo(f"{name}: {library.LIBRARY_NAME} {done}, digest {digest}")  # one line, never wrapped
     finally:
         client.close()
 
@@ -644,23 +647,24 @@ def library_status_command(redis: OperatorUrl = None) -> None:
 
     Compares the code itself (FUNCTION LIST WITHCODE), not only the digest it reports; exits 1
     when a node has none or other code."""
-    from . import connection, scripts
+    from .server import library
+    from .transport import connection
 
     client = connection.sync_client(_server_of("library status", redis), retry_s=5.0)
-    ours = scripts.library()
+    ours = library.library()
     failed = False
     try:
-        for name, node in scripts.nodes(client):
-            code = scripts.served_code(node)
+        for name, node in library.nodes(client):
+            code = library.served_code(node)
             if code is None:
                 state = "missing"
             elif code == ours.code:
                 state = f"this release's code, digest {ours.digest}"
             else:
-                reported = scripts.served_digest(node)
+                reported = library.served_digest(node)
                 state = f"OTHER code (it reports digest {reported or 'none'}; this release's is {ours.digest})"
             failed = failed or code != ours.code
-            typer.echo(f"{name}: {scripts.LIBRARY_NAME} {state}")
+            typer.echo(f"{name}: {library.LIBRARY_NAME} {state}")
     finally:
         client.close()
     if failed:

@@ -21,10 +21,10 @@ from .constants import (
     DEFAULT_WAIT_REPLICAS,
     DEFAULT_WAIT_TIMEOUT_MS,
     ENV_PREFIX,
+    EVICTION_MODES,
     MAX_INT,
 )
 from .errors import InvalidConfig
-from .eviction import EVICTION_MODES
 
 
 @dataclass(frozen=True)

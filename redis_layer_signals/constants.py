@@ -50,3 +50,7 @@ DEFAULT_WAIT_REPLICAS = 0
 """Replicas that must confirm a record or register before it returns (0: asynchronous, no WAIT)."""
 DEFAULT_WAIT_TIMEOUT_MS = 100
 """How long one WAIT blocks; the call resends (replaying its reply) until retry_s runs out."""
+
+WARN, REFUSE = "warn", "refuse"
+"""What a buffer does on a server whose ``maxmemory-policy`` may evict (``eviction``)."""
+EVICTION_MODES = (WARN, REFUSE)

@@ -122,7 +122,7 @@ class NoPermissionError(SignalBufferError):
         suffix = f" ({detail})" if detail else ""
         super().__init__(
             f"{operation}: the Redis user may not run {command!r}{suffix}; grant it "
-            "(redis_layer_signals.acl.rules() lists what the library needs)"
+            "(redis_layer_signals.ops.acl.rules() lists what the library needs)"
         )
 
 

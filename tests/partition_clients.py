@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from redis_layer_signals import SignalBuffer
-from redis_layer_signals.deadline import MARGIN_S
+from redis_layer_signals.transport.deadline import MARGIN_S
 from tests.netns import Hosts
 from tests.partition_worker import load_logs
 from tests.race import SLOTS, Log, ended

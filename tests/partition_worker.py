@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from redis_layer_signals import BufferUnavailable, CacheTask, SignalBuffer
-from redis_layer_signals.connection import sync_client
 from redis_layer_signals.models import FinishResult, RecordResult, RegisterResult
-from redis_layer_signals.protocol import Prepared
+from redis_layer_signals.protocol.calls import Prepared
+from redis_layer_signals.transport.connection import sync_client
 from tests.race import Log, Worker
 
 MIN_OPERATIONS = 20

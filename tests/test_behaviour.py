@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from redis_layer_signals import CacheTask, DropReason, SignalBuffer, SlotOccupied
-from redis_layer_signals.protocol import ScriptCall
+from redis_layer_signals.protocol.calls import ScriptCall
 from tests.race import ended
 
 

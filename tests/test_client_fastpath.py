@@ -32,7 +32,7 @@ from redis_layer_signals import (
     validation,
 )
 from redis_layer_signals.config import BufferConfig
-from redis_layer_signals.protocol import Protocol, ScriptCall, encode_task, new_token, pack_entries, plain_batch
+from redis_layer_signals.protocol.calls import Protocol, ScriptCall, encode_task, new_token, pack_entries, plain_batch
 
 NUMBERS = st.one_of(
     st.integers(-3, 600),

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from redis.cluster import key_slot
 
-from redis_layer_signals import AsyncSignalBuffer, CacheTask, InvalidConfig, SignalBuffer, routing
-from redis_layer_signals.keys import KeySpace
+from redis_layer_signals import AsyncSignalBuffer, CacheTask, InvalidConfig, SignalBuffer
+from redis_layer_signals.protocol.keys import KeySpace
+from redis_layer_signals.transport import routing
 from tests.churn import churn_during
 from tests.servers import RedisServer, wait_until
 from tests.test_race import assert_every_signal_accounted_once, run_race

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio
 
 from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, SignalBuffer
-from redis_layer_signals.deadline import MARGIN_S
+from redis_layer_signals.transport.deadline import MARGIN_S
 from tests.proxy import BLACK_HOLE, HALF, PASS, TRICKLE, Proxy
 from tests.servers import RedisServer
 from tests.topology import ClusterTopology, SentinelTopology

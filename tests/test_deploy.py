@@ -19,7 +19,7 @@ import yaml
 from redis_layer_signals import CacheTask, SignalBuffer
 from redis_layer_signals.fastdeploy import Layer0Bridge
 from redis_layer_signals.fastdeploy.health import BridgeMetrics
-from redis_layer_signals.metrics import BufferMetrics
+from redis_layer_signals.ops.metrics import BufferMetrics
 from tests.servers import RedisServer, require_binary
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from redis_layer_signals import AsyncSignalBuffer, SignalBuffer, acl, durability
-from redis_layer_signals.durability import (
+from redis_layer_signals import AsyncSignalBuffer, SignalBuffer
+from redis_layer_signals.ops import acl
+from redis_layer_signals.ops.metrics import BufferMetrics
+from redis_layer_signals.server import durability
+from redis_layer_signals.server.durability import (
     APPENDONLY,
     AT_LEAST_ONE,
     MIN_REPLICAS,
@@ -26,7 +29,6 @@ from redis_layer_signals.durability import (
     conclude,
     warning,
 )
-from redis_layer_signals.metrics import BufferMetrics
 from tests.servers import REDIS_SERVER, VALKEY, RedisServer
 from tests.test_metrics import sample
 from tests.topology import ClusterTopology, SentinelTopology

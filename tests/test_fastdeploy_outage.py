@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from redis_layer_signals.fastdeploy.outage import RESTARTS, run_outage
+from redis_layer_signals.simulate.outage import RESTARTS, run_outage
 
 RETRY_S = 0.5
 DOWN_S = 2.0

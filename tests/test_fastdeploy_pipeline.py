@@ -12,8 +12,8 @@ import pytest
 
 from redis_layer_signals import SignalBuffer
 from redis_layer_signals.fastdeploy import Layer0Bridge
-from redis_layer_signals.fastdeploy.reference import ReferenceMessager, UnbufferedBridge
-from redis_layer_signals.fastdeploy.scripted import (
+from redis_layer_signals.fastdeploy.demo.reference import ReferenceMessager, UnbufferedBridge
+from redis_layer_signals.fastdeploy.demo.scripted import (
     DEST_BLOCK_BASE,
     PrefillRequest,
     RecordingTransport,

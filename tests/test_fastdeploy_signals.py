@@ -14,7 +14,7 @@ import pytest
 
 from redis_layer_signals import InvalidSignal
 from redis_layer_signals.fastdeploy import KV_SIGNAL_LENGTH, KvSignal, decode_kv_signal
-from redis_layer_signals.fastdeploy.scripted import ScriptedGpu, load_paddle
+from redis_layer_signals.fastdeploy.demo.scripted import ScriptedGpu, load_paddle
 from redis_layer_signals.fastdeploy.signals import KV_SIGNAL_HEADER, encode_kv_signal
 
 paddle = load_paddle()
@@ -133,7 +133,7 @@ def test_decode_and_bridge_work_without_paddle_installed() -> None:
         "sys.modules['paddle'] = None  # any import of paddle now fails\n"
         "from redis_layer_signals import SignalBuffer\n"
         "from redis_layer_signals.fastdeploy import Layer0Bridge, decode_kv_signal\n"
-        "from redis_layer_signals.fastdeploy import reference\n"
+        "from redis_layer_signals.fastdeploy.demo import reference\n"
         "v = np.full(1538, -1, dtype=np.int32); v[:5] = [1, 0, 5, 0, 8]\n"
         "bridge = Layer0Bridge(SignalBuffer.from_url('memory://', env={}), 'p0', 0, num_layers=2)\n"
         "print(bridge.on_kv_signal(v), decode_kv_signal(v))\n"

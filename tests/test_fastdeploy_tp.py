@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from redis_layer_signals import InvalidConfig, SignalBuffer
-from redis_layer_signals.admin import namespace_keys, purge
 from redis_layer_signals.fastdeploy import Layer0Bridge, voting
 from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
+from redis_layer_signals.ops.admin import namespace_keys, purge
 from tests.servers import RedisServer, running, wait_until
 from tests.topology import ClusterTopology
 

@@ -2,7 +2,7 @@
 rules that decide by "is the task registered yet?" on each rank diverge and deadlock, and the
 bridge must not. Each run feeds every rank the same GPU messages and cache_infos, each rank
 with a seeded jitter of its own; a barrier that times out counts as a deadlock (harness:
-redis_layer_signals/fastdeploy/tp.py; figures: benchmarks/results/tp.md)."""
+redis_layer_signals/fastdeploy/demo/tp.py; figures: benchmarks/results/tp.md)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from redis_layer_signals.fastdeploy.signals import KvSignal
-from redis_layer_signals.fastdeploy.tp import GroupOutcome, Rule, run_group
-from redis_layer_signals.fastdeploy.tp_rules import (
+from redis_layer_signals.fastdeploy.demo.tp import GroupOutcome, Rule, run_group
+from redis_layer_signals.fastdeploy.demo.tp_rules import (
     ModelMessager,
     ModelRule,
     ReadySplit,
@@ -24,7 +23,8 @@ from redis_layer_signals.fastdeploy.tp_rules import (
     bridge_rule,
     ready_split_rule,
 )
-from redis_layer_signals.fastdeploy.tp_workloads import WORKLOADS, Pause, Request, Step, Tasks, Workload
+from redis_layer_signals.fastdeploy.demo.tp_workloads import WORKLOADS, Pause, Request, Step, Tasks, Workload
+from redis_layer_signals.fastdeploy.signals import KvSignal
 from tests.servers import Done, RedisServer
 from tests.tp_fixture import FixtureRule
 

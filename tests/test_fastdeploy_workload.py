@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from redis_layer_signals.fastdeploy.demo.workload import ORDERS, Outcome, Plan, make_plans, run
 from redis_layer_signals.fastdeploy.health import BridgeHealth
-from redis_layer_signals.fastdeploy.workload import ORDERS, Outcome, Plan, make_plans, run
 from tests.servers import RedisServer
 from tests.topology import ClusterTopology
 

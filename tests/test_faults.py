@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, SignalBuffer
-from redis_layer_signals.scripts import FUNCTIONS, LIBRARY_NAME
+from redis_layer_signals.server.library import FUNCTIONS, LIBRARY_NAME
 from redis_layer_signals.simulate import SimConfig, simulate
 from redis_layer_signals.simulate.chaos import run_with_chaos
 from tests.churn import churn_during

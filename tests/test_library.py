@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from redis_layer_signals import CacheTask, SignalBuffer
-from redis_layer_signals.scripts import (
+from redis_layer_signals.server.library import (
     DIGEST_FUNCTION,
     DIGEST_PLACEHOLDER,
     FILES,

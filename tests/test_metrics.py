@@ -3,15 +3,17 @@ rank's counters over HTTP, named as the Prometheus naming guide asks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from redis_layer_signals import CacheTask, DropReason, SignalBuffer
-from redis_layer_signals.metrics import BufferMetrics, CounterSample, counter_sample
+from redis_layer_signals.ops.metrics import BufferMetrics, CounterSample, counter_sample
 from tests.servers import RedisServer, free_port, wait_until
 from tests.topology import ClusterTopology
 
@@ -112,52 +114,53 @@ def test_scrape_of_an_unreachable_redis_reports_down_instead_of_failing() -> Non
     assert "rls_buffered_total{" not in text
 
 
+class Exporter:
+    """``rls metrics`` in a process of its own, on a free port of loopback."""
+
+    def __init__(self, process: subprocess.Popen[bytes], port: int) -> None:
+        self.process = process
+        self.port = port
+        self.pages: list[str] = []
+
+    def scrape(self) -> bool:
+        """Read the page once (kept in ``pages``); raises while nothing answers."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
+            self.pages.append(response.read().decode())
+        return True
+
+    def wait_for(self, check: Callable[[str], bool], what: str) -> str:
+        """Scrape until a page passes ``check``; that page."""
+        wait_until(lambda: self.scrape() and check(self.pages[-1]), timeout=30, what=what)
+        return self.pages[-1]
+
+
+@contextlib.contextmanager
+def rls_metrics(url: str, namespace: str, duration_s: int) -> Iterator[Exporter]:
+    """Start ``rls metrics`` on ``url`` (no ``RLS_*`` variable reaches it); stop it after."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
+    command = [sys.executable, "-m", "redis_layer_signals", "metrics", "--redis", url, "--namespace", namespace]
+    command += ["--port", str(port), "--host", "127.0.0.1", "--duration-s", str(duration_s)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        yield Exporter(process, port)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
 def test_rls_metrics_serves_the_namespace_counters_over_http(redis_server: RedisServer, namespace: str) -> None:
     buf = SignalBuffer.from_url(redis_server.url, namespace=namespace, env={})
     buf.record("p0", 0, 0, [(3, 10), (4, 10), (5, 10)])
     buf.register(CacheTask("p0", 0, 3, "r", need_prefill_tokens=5, num_layers=1))  # 10 > 5: over_need
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "redis_layer_signals",
-            "metrics",
-            "--redis",
-            redis_server.url,
-            "--namespace",
-            namespace,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--duration-s",
-            "60",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    try:
-        pages: list[str] = []
-
-        def scrape() -> bool:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-                pages.append(response.read().decode())
-            return True
-
-        wait_until(scrape, timeout=30, what="rls metrics to answer")
-        text = pages[-1]
+    with rls_metrics(redis_server.url, namespace, 60) as exporter:
+        text = exporter.wait_for(lambda page: True, "rls metrics to answer")
         rank0 = {"namespace": namespace, "instance": "p0", "rank": "0"}
         assert sample(text, "rls_buffered_total", **rank0) == 3
         assert sample(text, "rls_dropped_total", **rank0, reason="over_need") == 1
         assert sample(text, "rls_registered_total", **rank0) == 1
         assert sample(text, "rls_up", namespace=namespace) == 1
         assert "# TYPE rls_call_duration_seconds histogram" in text
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def test_every_rank_of_a_cluster_is_read_from_the_node_that_holds_it(cluster: ClusterTopology, namespace: str) -> None:
@@ -221,39 +224,18 @@ def test_fake_server_reports_no_eviction() -> None:
 def test_rls_metrics_started_before_its_redis_reports_down_then_up(namespace: str) -> None:
     """The exporter outlives Redis: started while nothing listens, it serves rls_up 0, then the
     real figures once Redis answers."""
-    redis_port, port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
-    command = [sys.executable, "-m", "redis_layer_signals", "metrics", "--redis", f"redis://127.0.0.1:{redis_port}/0"]
-    command += ["--namespace", namespace, "--port", str(port), "--host", "127.0.0.1", "--duration-s", "90"]
-    exporter = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
+    redis_port = free_port()
     late: RedisServer | None = None
     try:
-        pages: list[str] = []
-
-        def scrape() -> bool:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-                pages.append(response.read().decode())
-            return True
-
-        wait_until(scrape, timeout=30, what="rls metrics to answer while Redis is down")
-        assert exporter.poll() is None
-        assert sample(pages[-1], "rls_up", namespace=namespace) == 0
-        late = RedisServer(port=redis_port).start()
-        with SignalBuffer.from_url(late.url, namespace=namespace, env={}) as buf:
-            buf.record("p0", 0, 0, [(1, 10)])
-        wait_until(
-            lambda: scrape() and sample(pages[-1], "rls_up", namespace=namespace) == 1,
-            timeout=30,
-            what="rls_up 1 once Redis answers",
-        )
-        assert sample(pages[-1], "rls_buffered_total", namespace=namespace, instance="p0", rank="0") == 1
+        with rls_metrics(f"redis://127.0.0.1:{redis_port}/0", namespace, 90) as exporter:
+            page = exporter.wait_for(lambda page: True, "rls metrics to answer while Redis is down")
+            assert exporter.process.poll() is None
+            assert sample(page, "rls_up", namespace=namespace) == 0
+            late = RedisServer(port=redis_port).start()
+            with SignalBuffer.from_url(late.url, namespace=namespace, env={}) as buf:
+                buf.record("p0", 0, 0, [(1, 10)])
+            page = exporter.wait_for(lambda page: sample(page, "rls_up", namespace=namespace) == 1, "rls_up 1")
+            assert sample(page, "rls_buffered_total", namespace=namespace, instance="p0", rank="0") == 1
     finally:
-        exporter.terminate()
-        exporter.wait(timeout=10)
         if late is not None:
             late.cleanup()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from redis_layer_signals import CacheTask, SignalBuffer, SlotOccupied
-from redis_layer_signals.protocol import ScriptCall
+from redis_layer_signals.protocol.calls import ScriptCall
 from tests.model import Model
 from tests.race import ended
 from tests.servers import RedisServer

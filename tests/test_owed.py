@@ -12,8 +12,8 @@ import pytest
 from redis.exceptions import ConnectionError
 
 from redis_layer_signals import BufferUnavailable, CacheTask, OwedFinishesFull, SignalBuffer
-from redis_layer_signals.metrics import BufferMetrics
-from redis_layer_signals.owed import OwedFinish, OwedFinishes
+from redis_layer_signals.buffer.owed import OwedFinish, OwedFinishes
+from redis_layer_signals.ops.metrics import BufferMetrics
 
 LIMIT = 2
 

@@ -25,7 +25,7 @@ SMOKE = textwrap.dedent(
     """
     import redis_layer_signals, sys
     from redis_layer_signals import CacheTask, SignalBuffer
-    from redis_layer_signals.scripts import library
+    from redis_layer_signals.server.library import library
     assert "site-packages" in redis_layer_signals.__file__, redis_layer_signals.__file__
     buf = SignalBuffer.from_url(sys.argv[1], namespace="wheel")
     assert [s.slot for s in buf.record("p0", 0, 0, [(5, 100)]).buffered] == [5]

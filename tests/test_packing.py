@@ -7,8 +7,8 @@ from dataclasses import FrozenInstanceError
 import pytest
 
 from redis_layer_signals import DropReason, InvalidSignal, LayerSignal, SignalBuffer
-from redis_layer_signals.protocol import plain_batch
-from redis_layer_signals.replies import recovery, split_signals
+from redis_layer_signals.protocol.calls import plain_batch
+from redis_layer_signals.protocol.replies import recovery, split_signals
 
 
 def test_split_signals_builds_equal_frozen_hashable_signals() -> None:

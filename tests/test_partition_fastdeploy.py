@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from redis_layer_signals.fastdeploy.outage import _balance
-from redis_layer_signals.fastdeploy.reference import ReferenceMessager
-from redis_layer_signals.fastdeploy.workload import Outcome, run
+from redis_layer_signals.fastdeploy.demo.reference import ReferenceMessager
+from redis_layer_signals.fastdeploy.demo.workload import Outcome, run
+from redis_layer_signals.simulate.outage import _balance
 from tests.netns import HostedRedis, Hosts
 
 pytestmark = pytest.mark.netns  # make check deselects it: network namespaces need root

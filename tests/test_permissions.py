@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from redis_layer_signals import CacheTask, NoPermissionError, SignalBuffer, acl
+from redis_layer_signals import CacheTask, NoPermissionError, SignalBuffer
+from redis_layer_signals.ops import acl
 from tests.servers import RedisServer
 
 PASSWORD = "s3cret-pw"

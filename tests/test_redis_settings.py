@@ -6,6 +6,7 @@ sweep still run and drain it. Each on its own redis-server (and Valkey 8.1), sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterator
@@ -23,8 +24,8 @@ from redis_layer_signals import (
     ServerOutOfMemory,
     SignalBuffer,
     SignalBufferError,
-    acl,
 )
+from redis_layer_signals.ops import acl
 from tests.servers import REDIS_SERVER, VALKEY, RedisServer
 from tests.topology import ClusterTopology, SentinelTopology
 
@@ -60,6 +61,16 @@ def warnings_about(caplog: pytest.LogCaptureFixture, server: str) -> list[str]:
     return [m for m in messages if "maxmemory-policy" in m and server in m]
 
 
+@contextlib.contextmanager
+def policy_server(policy: str, *options: str, binary: str = REDIS_SERVER) -> Iterator[RedisServer]:
+    """A redis-server of its own with ``maxmemory-policy`` (and ``options``) set, removed after."""
+    server = RedisServer(["--maxmemory-policy", policy, *options], binary=binary).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
 @pytest.fixture(params=[REDIS_SERVER, VALKEY])
 def binary(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -72,8 +83,7 @@ def binary(request: pytest.FixtureRequest) -> str:
 def test_evicting_policy_is_warned_once_per_server_and_reported(
     binary: str, policy: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = RedisServer(["--maxmemory-policy", policy], binary=binary).start()
-    try:
+    with policy_server(policy, binary=binary) as server:
         caplog.set_level(logging.WARNING, logger=LOGGER)
         label = f"127.0.0.1:{server.port}"
         first = SignalBuffer.from_url(server.url, namespace=namespace(), env={})
@@ -91,45 +101,38 @@ def test_evicting_policy_is_warned_once_per_server_and_reported(
         finally:
             first.close()
             second.close()
-    finally:
-        server.cleanup()
 
 
 @pytest.mark.parametrize("policy", EVICTING)
 def test_refuse_mode_raises_evicting_server_and_writes_nothing(binary: str, policy: str) -> None:
-    server = RedisServer(["--maxmemory-policy", policy], binary=binary).start()
-    client = server.client()
-    try:
-        with SignalBuffer.from_url(server.url, namespace=namespace(), env={"RLS_EVICTION": "refuse"}) as buffer:
-            for call in (
-                lambda: buffer.record("p0", 0, 0, [(1, 10)]),
-                lambda: buffer.register(task(1, "r1")),
-                lambda: buffer.finish("p0", 0, 1, "r1"),
-            ):
-                with pytest.raises(EvictingServer) as refused:
-                    call()
-                assert isinstance(refused.value, SignalBufferError)
-                assert refused.value.policy == policy and policy in str(refused.value)
-            assert our_keys(client) == {}
-            # Fixing the server's setting is enough: the next call reads the policy again.
-            client.config_set("maxmemory-policy", "noeviction")
-            assert buffer.record("p0", 0, 0, [(1, 10)]).buffered
-    finally:
-        client.close()
-        server.cleanup()
+    with (
+        policy_server(policy, binary=binary) as server,
+        server.client() as client,
+        SignalBuffer.from_url(server.url, namespace=namespace(), env={"RLS_EVICTION": "refuse"}) as buffer,
+    ):
+        for call in (
+            lambda: buffer.record("p0", 0, 0, [(1, 10)]),
+            lambda: buffer.register(task(1, "r1")),
+            lambda: buffer.finish("p0", 0, 1, "r1"),
+        ):
+            with pytest.raises(EvictingServer) as refused:
+                call()
+            assert isinstance(refused.value, SignalBufferError)
+            assert refused.value.policy == policy and policy in str(refused.value)
+        assert our_keys(client) == {}
+        # Fixing the server's setting is enough: the next call reads the policy again.
+        client.config_set("maxmemory-policy", "noeviction")
+        assert buffer.record("p0", 0, 0, [(1, 10)]).buffered
 
 
 def test_noeviction_and_memory_are_not_warned(binary: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    server = RedisServer(["--maxmemory-policy", "noeviction"], binary=binary).start()
-    try:
+    with policy_server("noeviction", binary=binary) as server:
         for url in (server.url, f"memory://{uuid.uuid4().hex}"):
             with SignalBuffer.from_url(url, namespace=namespace(), env={"RLS_EVICTION": "refuse"}) as buffer:
                 buffer.record("p0", 0, 0, [(1, 10)])
                 assert set(buffer.policies.values()) == {"noeviction"}
         assert [r for r in caplog.records if "maxmemory-policy" in r.getMessage()] == []
-    finally:
-        server.cleanup()
 
 
 def test_eviction_option_is_validated() -> None:
@@ -142,9 +145,7 @@ def test_eviction_option_is_validated() -> None:
 def test_policy_read_from_info_where_config_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     """The recommended ACL rule grants INFO, not CONFIG (CONFIG GET shows passwords)."""
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    server = RedisServer(["--maxmemory-policy", "volatile-lru"]).start()
-    admin = server.client()
-    try:
+    with policy_server("volatile-lru") as server, server.client() as admin:
         ns = namespace()
         admin.execute_command("ACL", "SETUSER", "tenant", "on", ">pw", *acl.rules(ns))
         url = f"redis://tenant:pw@127.0.0.1:{server.port}/0"
@@ -155,49 +156,41 @@ def test_policy_read_from_info_where_config_is_refused(caplog: pytest.LogCapture
         with refusing, pytest.raises(EvictingServer):
             refusing.record("p0", 0, 0, [(2, 10)])
         assert len(warnings_about(caplog, str(server.port))) == 1
-    finally:
-        admin.close()
-        server.cleanup()
 
 
 def test_policy_read_again_after_a_reconnect() -> None:
     """A reconnect may reach another node (failover, restart): the next call reads again."""
-    server = RedisServer(["--maxmemory-policy", "noeviction"]).start()
-    admin = server.client()
-    try:
-        with SignalBuffer.from_url(server.url, namespace=namespace(), env={}, eviction="refuse") as buffer:
-            buffer.record("p0", 0, 0, [(1, 10)])
-            admin.config_set("maxmemory-policy", "allkeys-lru")
-            buffer.record("p0", 0, 0, [(1, 11)])  # same connection: not read again (off the hot path)
-            admin.client_kill_filter(_type="normal", skipme=True)
-            with pytest.raises(EvictingServer):
-                buffer.record("p0", 0, 0, [(1, 12)])
-    finally:
-        admin.close()
-        server.cleanup()
+    with (
+        policy_server("noeviction") as server,
+        server.client() as admin,
+        SignalBuffer.from_url(server.url, namespace=namespace(), env={}, eviction="refuse") as buffer,
+    ):
+        buffer.record("p0", 0, 0, [(1, 10)])
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        buffer.record("p0", 0, 0, [(1, 11)])  # same connection: not read again (off the hot path)
+        admin.client_kill_filter(_type="normal", skipme=True)
+        with pytest.raises(EvictingServer):
+            buffer.record("p0", 0, 0, [(1, 12)])
 
 
 def test_async_buffer_warns_and_refuses(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    server = RedisServer(["--maxmemory-policy", "allkeys-random"]).start()
+    with policy_server("allkeys-random") as server:
 
-    async def scenario() -> None:
-        warn = AsyncSignalBuffer.from_url(server.url, namespace=namespace(), env={})
-        refuse = AsyncSignalBuffer.from_url(server.url, namespace=namespace(), env={}, eviction="refuse")
-        try:
-            await warn.record("p0", 0, 0, [(1, 10)])
-            assert warn.policies == {f"127.0.0.1:{server.port}": "allkeys-random"}
-            with pytest.raises(EvictingServer):
-                await refuse.record("p0", 0, 0, [(1, 10)])
-        finally:
-            await warn.close()
-            await refuse.close()
+        async def scenario() -> None:
+            warn = AsyncSignalBuffer.from_url(server.url, namespace=namespace(), env={})
+            refuse = AsyncSignalBuffer.from_url(server.url, namespace=namespace(), env={}, eviction="refuse")
+            try:
+                await warn.record("p0", 0, 0, [(1, 10)])
+                assert warn.policies == {f"127.0.0.1:{server.port}": "allkeys-random"}
+                with pytest.raises(EvictingServer):
+                    await refuse.record("p0", 0, 0, [(1, 10)])
+            finally:
+                await warn.close()
+                await refuse.close()
 
-    try:
         asyncio.run(scenario())
         assert len(warnings_about(caplog, str(server.port))) == 1
-    finally:
-        server.cleanup()
 
 
 def test_cluster_reads_every_primary(cluster: ClusterTopology, caplog: pytest.LogCaptureFixture) -> None:
@@ -226,9 +219,8 @@ def test_cluster_reads_every_primary(cluster: ClusterTopology, caplog: pytest.Lo
 
 @pytest.fixture(params=[REDIS_SERVER, VALKEY])
 def full_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
-    server = RedisServer(["--maxmemory-policy", "noeviction"], binary=str(request.param)).start()
-    yield server
-    server.cleanup()
+    with policy_server("noeviction", binary=str(request.param)) as server:
+        yield server
 
 
 def fill(client: redis.Redis) -> None:
@@ -332,13 +324,11 @@ def test_max_layers_default_and_validation() -> None:
 def test_eviction_is_evidenced_by_the_exporter(binary: str) -> None:
     """volatile-lru (several managed services' default) evicts our keys, which all carry a
     TTL, but not the counters: only their mismatch, and the server's evicted_keys, show it."""
-    from redis_layer_signals.metrics import BufferMetrics
+    from redis_layer_signals.ops.metrics import BufferMetrics
     from tests.test_metrics import sample
 
-    server = RedisServer(["--maxmemory-policy", "volatile-lru", "--maxmemory-samples", "10"], binary=binary).start()
-    client = server.client()
-    metrics = BufferMetrics()
-    try:
+    with policy_server("volatile-lru", "--maxmemory-samples", "10", binary=binary) as server, server.client() as client:
+        metrics = BufferMetrics()
         with SignalBuffer.from_url(server.url, namespace=namespace(), env={}, pending_ttl_s=3600) as buffer:
             metrics.track(buffer)
             for rank in range(20):
@@ -360,18 +350,13 @@ def test_eviction_is_evidenced_by_the_exporter(binary: str) -> None:
             ]
             assert any(value and value > 0 for value in lost), lost
             assert buffer.stats(sweep=False)["buffered"] == 1000  # the counters survived
-    finally:
-        client.close()
-        server.cleanup()
 
 
 def test_exporter_works_under_its_read_only_acl_rules() -> None:
-    from redis_layer_signals.metrics import BufferMetrics
+    from redis_layer_signals.ops.metrics import BufferMetrics
     from tests.test_metrics import sample
 
-    server = RedisServer(["--maxmemory-policy", "allkeys-lru"]).start()
-    admin = server.client()
-    try:
+    with policy_server("allkeys-lru") as server, server.client() as admin:
         ns = namespace()
         with SignalBuffer.from_url(server.url, namespace=ns, env={}) as writer:
             writer.record("p0", 0, 0, [(1, 10), (2, 10)])
@@ -386,16 +371,11 @@ def test_exporter_works_under_its_read_only_acl_rules() -> None:
             assert sample(text, "rls_server_evicting", server=f"127.0.0.1:{server.port}", policy="allkeys-lru") == 1
             with pytest.raises(redis.exceptions.NoPermissionError):
                 reader.client.hset(reader.protocol.keys.rank("p0", 0).stats, "buffered", 0)
-    finally:
-        admin.close()
-        server.cleanup()
 
 
 def test_a_policy_that_cannot_be_read_is_warned_about_not_refused(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    server = RedisServer(["--maxmemory-policy", "allkeys-lru"]).start()
-    admin = server.client()
-    try:
+    with policy_server("allkeys-lru") as server, server.client() as admin:
         ns = namespace()
         rules = [rule for rule in acl.rules(ns) if rule != "+info"]
         admin.execute_command("ACL", "SETUSER", "blind", "on", ">pw", *rules)
@@ -405,9 +385,6 @@ def test_a_policy_that_cannot_be_read_is_warned_about_not_refused(caplog: pytest
             assert buffer.policies == {f"127.0.0.1:{server.port}": "unknown"}
         found = [r.getMessage() for r in caplog.records if "cannot read the maxmemory-policy" in r.getMessage()]
         assert len(found) == 1 and str(server.port) in found[0]
-    finally:
-        admin.close()
-        server.cleanup()
 
 
 def test_sentinel_primary_is_checked(sentinel_group: SentinelTopology) -> None:
@@ -447,21 +424,20 @@ def test_bridge_health_and_rls_stats_name_an_evicting_server() -> None:
     from tests.test_cli import rls
 
     for policy in ("allkeys-lru", "noeviction"):
-        server = RedisServer(["--maxmemory-policy", policy]).start()
-        ns = namespace()
-        buffer = SignalBuffer.from_url(server.url, namespace=ns, env={})
-        bridge = Layer0Bridge(buffer, "p0", 0, num_layers=4)
-        try:
-            buffer.record("p0", 0, 0, [(1, 10)])  # the buffer's first call reads the policy
-            label = f"127.0.0.1:{server.port}"
-            expected = {label: policy} if policy != "noeviction" else {}
-            assert bridge.health().evicting == expected
-            done = rls("stats", "--redis", server.url, "--namespace", ns)
-            assert done.returncode == 0, done.stderr
-            caption = " ".join(done.stdout.split())
-            assert f"maxmemory-policy: {label} {policy}" in caption
-            assert ("set noeviction" in caption) == (policy != "noeviction")
-        finally:
-            bridge.close()
-            buffer.close()
-            server.cleanup()
+        with policy_server(policy) as server:
+            ns = namespace()
+            buffer = SignalBuffer.from_url(server.url, namespace=ns, env={})
+            bridge = Layer0Bridge(buffer, "p0", 0, num_layers=4)
+            try:
+                buffer.record("p0", 0, 0, [(1, 10)])  # the buffer's first call reads the policy
+                label = f"127.0.0.1:{server.port}"
+                expected = {label: policy} if policy != "noeviction" else {}
+                assert bridge.health().evicting == expected
+                done = rls("stats", "--redis", server.url, "--namespace", ns)
+                assert done.returncode == 0, done.stderr
+                caption = " ".join(done.stdout.split())
+                assert f"maxmemory-policy: {label} {policy}" in caption
+                assert ("set noeviction" in caption) == (policy != "noeviction")
+            finally:
+                bridge.close()
+                buffer.close()

@@ -11,7 +11,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from redis_layer_signals import BufferUnavailable, CacheTask, SignalBuffer
-from redis_layer_signals.protocol import ScriptCall
+from redis_layer_signals.protocol.calls import ScriptCall
 from tests.servers import free_port
 
 

@@ -1,5 +1,5 @@
 """Security: TLS with a CA and client certificates made here with openssl; the least-privilege
-ACL of :mod:`redis_layer_signals.acl` (the library works under it, one namespace's user cannot
+ACL of :mod:`redis_layer_signals.ops.acl` (the library works under it, one namespace's user cannot
 touch another's keys, on a single server and on the Cluster); hostile identifiers rejected
 before they could leave their hash tag."""
 
@@ -26,9 +26,9 @@ from redis_layer_signals import (
     InvalidTask,
     NoPermissionError,
     SignalBuffer,
-    acl,
 )
-from redis_layer_signals.keys import KeySpace
+from redis_layer_signals.ops import acl
+from redis_layer_signals.protocol.keys import KeySpace
 from tests.servers import RedisServer
 from tests.topology import ClusterTopology, TlsRedisServer, make_certificates
 

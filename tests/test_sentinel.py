@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, InvalidConfig, SignalBuffer, acl, wire
+from redis_layer_signals import AsyncSignalBuffer, BufferUnavailable, CacheTask, InvalidConfig, SignalBuffer
 from redis_layer_signals.config import BufferConfig
-from redis_layer_signals.replication import NotReplicated
+from redis_layer_signals.ops import acl
+from redis_layer_signals.transport import wire
+from redis_layer_signals.transport.replication import NotReplicated
 from tests.servers import RedisServer
 from tests.topology import SentinelTopology
 

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from redis_layer_signals import AsyncSignalBuffer, CacheTask, LibraryMismatch, SignalBuffer, acl
-from redis_layer_signals.scripts import FILES, _lua_dir, build, library
+from redis_layer_signals import AsyncSignalBuffer, CacheTask, LibraryMismatch, SignalBuffer
+from redis_layer_signals.ops import acl
+from redis_layer_signals.server.library import FILES, _lua_dir, build, library
 from tests.servers import VALKEY, RedisServer, library_functions, rls
 
 PASSWORD = "s3cret-pw"

@@ -16,7 +16,7 @@ from redis_layer_signals import (
     SignalBuffer,
 )
 from redis_layer_signals.config import BufferConfig
-from redis_layer_signals.keys import KeySpace
+from redis_layer_signals.protocol.keys import KeySpace
 
 
 class Layer(enum.IntEnum):

@@ -1,4 +1,4 @@
-"""The sync buffer's direct transport (:mod:`redis_layer_signals.wire`): it sends exactly what
+"""The sync buffer's direct transport (:mod:`redis_layer_signals.transport.wire`): it sends exactly what
 redis-py would, keeps one connection per concurrent caller, never reads another call's reply
 (threads, forks, interrupted calls) and replaces a dead connection, with the call still run
 exactly once. Each test that counts connections runs on its own redis-server."""
@@ -16,7 +16,8 @@ import redis
 from hypothesis import given
 from redis.connection import Encoder, PythonRespSerializer
 
-from redis_layer_signals import CacheTask, SignalBuffer, wire
+from redis_layer_signals import CacheTask, SignalBuffer
+from redis_layer_signals.transport import wire
 from tests.servers import RedisServer, running
 
 pytestmark = pytest.mark.real

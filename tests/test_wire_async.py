@@ -15,8 +15,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from redis_layer_signals import AsyncSignalBuffer, CacheTask, SignalBuffer, wire
-from redis_layer_signals.scripts import LIBRARY_NAME
+from redis_layer_signals import AsyncSignalBuffer, CacheTask, SignalBuffer
+from redis_layer_signals.server.library import LIBRARY_NAME
+from redis_layer_signals.transport import wire
 from tests.servers import RedisServer
 
 CONCURRENT = 200

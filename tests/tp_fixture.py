@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from redis_layer_signals.fastdeploy.tp import RankIO
+from redis_layer_signals.fastdeploy.demo.tp import RankIO
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fastdeploy" / "cache_messager.py"
 _EXEC_LOCK = threading.Lock()

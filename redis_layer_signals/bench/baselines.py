@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from redis.exceptions import WatchError
 
-from .. import wire
+from ..transport import wire
 
 FLOOR_SCRIPT = "return 1"
 """Does nothing: what is left is the round trip, redis-py and the Lua call itself."""

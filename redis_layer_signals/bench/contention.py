@@ -17,9 +17,9 @@ from typing import Any
 
 import redis
 
-from .. import wire
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..models import CacheTask
+from ..transport import wire
 from . import names
 from .baselines import Floor, FloorDirect, NaiveRedisBuffer
 from .scenarios import entries_of

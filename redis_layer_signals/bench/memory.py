@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..models import CacheTask
 from .names import scratch_buffer
 

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..constants import KEY_PREFIX
 
 RUN_ID = uuid.uuid4().hex[:8]

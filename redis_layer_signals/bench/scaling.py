@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..models import CacheTask
 from . import names
 from .commandstats import server_time

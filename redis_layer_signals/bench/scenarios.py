@@ -18,10 +18,10 @@ from typing import Any
 
 import redis
 
-from .. import wire
-from ..aio import AsyncSignalBuffer
-from ..buffer import SignalBuffer
+from ..buffer.aio import AsyncSignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..models import CacheTask
+from ..transport import wire
 from . import names
 from .baselines import AsyncFloor, Floor, FloorDirect, LocalDictBuffer, NaiveRedisBuffer
 from .commandstats import server_time

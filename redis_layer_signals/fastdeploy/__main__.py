@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Sequence
 
 from ..config import BufferConfig
-from .workload import run
+from .demo.workload import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..metrics import RANK_LABELS, Exporter, TrackedCollector
+from ..ops.metrics import RANK_LABELS, Exporter, TrackedCollector
 
 if TYPE_CHECKING:
-    from .bridge import Layer0Bridge
+    from ..buffer.sync import SignalBuffer
 
 OPERATIONS = ("on_kv_signal", "on_cache_task", "on_task_finished")
 """The three hooks, as the ``operation`` label spells them."""
@@ -76,6 +76,16 @@ class BridgeHealth:
     """Times the bridge found another live process holding its identity."""
 
 
+class Tracked(Protocol):
+    """What the exporter reads of a bridge (``Layer0Bridge``): its rank and its health."""
+
+    buffer: SignalBuffer
+    instance: str
+    rank: int
+
+    def health(self) -> BridgeHealth: ...
+
+
 class BridgeMetrics(Exporter):
     """A registry of its own with one collector over every tracked bridge."""
 
@@ -84,15 +94,15 @@ class BridgeMetrics(Exporter):
         self._collector = _BridgeCollector()
         self.registry.register(self._collector)
 
-    def track(self, bridge: Layer0Bridge) -> None:
+    def track(self, bridge: Tracked) -> None:
         self._collector.add(bridge)
 
 
 LABELS = list(RANK_LABELS)
 
 
-class _BridgeCollector(TrackedCollector["Layer0Bridge"]):
-    def collect_from(self, bridges: list[Layer0Bridge]) -> Iterator[Metric]:
+class _BridgeCollector(TrackedCollector[Tracked]):
+    def collect_from(self, bridges: list[Tracked]) -> Iterator[Metric]:
         degraded = GaugeMetricFamily("rls_bridge_degraded", "1 while the bridge serves locally", labels=LABELS)
         seconds = CounterMetricFamily("rls_bridge_degraded_seconds", "Seconds the bridge served locally", labels=LABELS)
         episodes = CounterMetricFamily("rls_bridge_episodes", "Times Redis became unreachable", labels=LABELS)

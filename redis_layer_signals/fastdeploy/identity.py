@@ -21,10 +21,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..errors import InvalidConfig
-from ..protocol import Prepared, ScriptCall
-from ..replies import text
+from ..protocol.calls import Prepared, ScriptCall
+from ..protocol.replies import text
 
 DEFAULT_LEASE_S = 15.0
 """How long a claim outlives its last renewal. A process that died frees its identity after

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..models import CacheTask, RecordResult, RegisterResult
 from .signals import SIGNAL_LAYER
 

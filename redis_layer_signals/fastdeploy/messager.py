@@ -13,7 +13,7 @@ import logging
 import re
 import socket
 
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..config import shared_url
 from .bridge import Layer0Bridge, ReadySource
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..models import CacheTask, DropReason
-from ..protocol import SlotState, encode_task
+from ..protocol.calls import SlotState, encode_task
 from .local import LocalTask, verdict_of
 
 UNKNOWN = "?"

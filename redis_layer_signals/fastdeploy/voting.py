@@ -13,14 +13,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from ..protocol import new_token
-from .group import GroupQueue, Outcome
-
-if TYPE_CHECKING:
-    from .bridge import Layer0Bridge
-
+from ..protocol.calls import new_token
+from .context import Batch, RankContext
+from .group import GroupQueue, Outcome, Progress
 
 REFRESH_S = 5.0
 """An idle rank reports again this often: what the group keeps of it comes back after Redis
@@ -34,12 +31,21 @@ class GroupVoter:
     """Votes and reports of one rank of a group of ``nranks`` (member ``rank % nranks`` of
     group ``rank // nranks``, as FastDeploy numbers ``rank_id`` across data-parallel groups)."""
 
-    def __init__(self, bridge: Layer0Bridge, group: GroupQueue, nranks: int, interval_s: float) -> None:
-        self.bridge = bridge
+    def __init__(
+        self,
+        rank: RankContext,
+        settle: Callable[[Progress, int], Batch],
+        group: GroupQueue,
+        nranks: int,
+        interval_s: float,
+    ) -> None:
+        self.bridge = rank
+        self.settle = settle
+        """Queues what the group decided (the owned layout's ``settle_group``), under the lock."""
         self.group = group
         self.nranks = nranks
-        self.member = bridge.rank % nranks
-        self.keys = bridge.buffer.protocol.keys.group(bridge.instance, bridge.rank // nranks)
+        self.member = rank.rank % nranks
+        self.keys = rank.buffer.protocol.keys.group(rank.instance, rank.rank // nranks)
         self.interval_s = interval_s
         self.token = new_token()
         """This process, to the group: a new token tells the group that the ranks started again."""
@@ -64,14 +70,14 @@ class GroupVoter:
                 self.step()
             except Exception as exc:  # Redis unreachable or a bug: logged once, tried again
                 self._failed(exc)
-            if self.bridge._closed.wait(self.interval_s):
+            if self.bridge.closed.wait(self.interval_s):
                 return
 
     def step(self) -> None:
         """Give up on the head if it is due, then send the votes and the report, if any, and
         settle the outcomes the group has decided."""
         bridge = self.bridge
-        with bridge._lock:
+        with bridge.lock:
             seq = self.group.give_up(time.monotonic())
             votes = self.group.voting()
             handled = self.group.handled
@@ -100,18 +106,18 @@ class GroupVoter:
                 bridge.rank,
             )
         self._reported, self._reported_at = handled, time.monotonic()
-        with bridge._lock:
+        with bridge.lock:
             for voted, outcome in zip(votes, answer.outcomes, strict=False):
                 if outcome == Outcome.ABANDONED:
                     self._abandoned.append(voted)
-                bridge._settle_group(self.group.decided(voted, Outcome(outcome)), self.group.next_seq)
+                self.settle(self.group.decided(voted, Outcome(outcome)), self.group.next_seq)
 
     def _failed(self, exc: Exception) -> None:
         bridge = self.bridge
-        if bridge._closed.is_set():
+        if bridge.closed.is_set():
             return  # the bridge closed (its buffer too, maybe) while this call was on its way
-        with bridge._lock:
-            bridge._errors["group"] += 1
+        with bridge.lock:
+            bridge.errors["group"] += 1
         if not self.unreachable:
             bridge.logger.warning(
                 "%s/%d: the tensor-parallel group's keys cannot be reached (%s: %s): releases go on, "

@@ -11,7 +11,7 @@ import queue
 from typing import Any, Protocol
 
 from ..constants import KEY_PREFIX
-from ..keys import KeySpace
+from ..protocol.keys import KeySpace
 
 CHANNEL_TTL_MS = 3_600_000
 """A list nobody reads (a crashed registrar) disappears after an hour."""

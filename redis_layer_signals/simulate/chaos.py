@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..bench.server import LocalRedis
-from ..connection import CLUSTER, MEMORY, SENTINEL, parse_multi_host, scheme_of, sync_client
 from ..errors import InvalidConfig
-from ..routing import refresher_of
+from ..transport.connection import CLUSTER, MEMORY, SENTINEL, parse_multi_host, scheme_of, sync_client
+from ..transport.routing import refresher_of
 from .config import SimConfig
 from .hosts import Hosts
 from .report import Summary

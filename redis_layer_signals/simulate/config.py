@@ -8,9 +8,9 @@ from enum import Enum
 from typing import Any
 
 from .. import validation
-from ..connection import MEMORY, scheme_of
 from ..constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from ..errors import InvalidConfig
+from ..transport.connection import MEMORY, scheme_of
 
 
 class Mode(str, Enum):

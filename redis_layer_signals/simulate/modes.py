@@ -8,11 +8,11 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..admin import signal_fields, slot_fields
-from ..buffer import SignalBuffer
+from ..buffer.sync import SignalBuffer
 from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
-from ..replies import text
+from ..ops.admin import signal_fields, slot_fields
+from ..protocol.replies import text
 from .config import Mode, SimConfig
 
 Slot = tuple[str, int, int]

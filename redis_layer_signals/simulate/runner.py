@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..buffer import SignalBuffer
-from ..connection import sync_client
+from ..buffer.sync import SignalBuffer
 from ..errors import InvalidConfig
+from ..transport.connection import sync_client
 from .channels import REGISTRAR, LocalChannel, RedisChannel, inbox_key
 from .config import SimConfig
 from .modes import make_handoff

@@ -25,9 +25,9 @@ from typing import Any
 from rich.table import Table
 
 from ..errors import InvalidConfig
-from ..fastdeploy.tp import DEFAULT_BARRIER_TIMEOUT_S, DEFAULT_TIMEOUT_S, GroupOutcome, Rule, run_group
-from ..fastdeploy.tp_rules import bridge_rule, ready_split_rule
-from ..fastdeploy.tp_workloads import random_workload
+from ..fastdeploy.demo.tp import DEFAULT_BARRIER_TIMEOUT_S, DEFAULT_TIMEOUT_S, GroupOutcome, Rule, run_group
+from ..fastdeploy.demo.tp_rules import bridge_rule, ready_split_rule
+from ..fastdeploy.demo.tp_workloads import random_workload
 from .config import Mode, SimConfig
 
 MAX_TP = 8

@@ -1,0 +1,342 @@
+"""The synchronous buffer: validation and packing come from ``protocol``, this module only
+runs the calls on a redis-py client, with bounded retries and reloading of the Functions library."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from functools import partial, wraps
+from typing import Any, TypeVar
+
+from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
+
+from ..constants import WARN
+from ..errors import BufferUnavailable, ServerOutOfMemory
+from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
+from ..protocol.calls import Applied, Prepared, ScriptCall
+from ..protocol.counters import sum_stats
+from ..protocol.keys import PENDING_LAYERS
+from ..protocol.replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
+from ..server import durability, eviction
+from ..server.durability import ServerPolicies
+from ..server.library import FUNCTIONS, LibraryMissing, ensure_library, function_missing
+from ..server.permissions import ServerRefused, from_server, refused
+from ..transport import connection, deadline, replication, routing, wire
+from ..transport.retry import RETRYABLE, Attempts, cut_by_deadline
+from .base import BufferBase
+from .owed import OwedFinish
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def whole_call(method: F) -> F:
+    """Bound a read of a few round trips (``pending``, ``task``) by one deadline, ``retry_s``
+    from its start, like a single call (see ``deadline``). Reads whose round trips grow
+    with the namespace (``ranks``, ``sweep``, ``stats``) bound each round trip instead."""
+
+    @wraps(method)
+    def bounded(self: SignalBuffer, *args: Any, **kwargs: Any) -> Any:
+        previous = deadline.bounded(time.monotonic() + self.config.retry_s)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            deadline.release(previous)
+
+    return bounded  # type: ignore[return-value]
+
+
+class SignalBuffer(BufferBase):
+    """Early layer signals in Redis, shared by every process that uses the same namespace.
+
+    ``record`` delivers a signal whose slot has a live task and buffers the others;
+    ``register`` makes a task live and pops its slot's early signals; ``finish`` releases the
+    slot, fenced by request id. Each is one Lua function call, atomic on the server.
+    """
+
+    @staticmethod
+    def make_client(url: str, retry_s: float) -> Any:
+        return connection.sync_client(url, retry_s)
+
+    @staticmethod
+    def direct_calls(client: Any) -> wire.DirectCalls | None:
+        return wire.DirectCalls(client) if wire.supports(client) else None
+
+    # -- the three operations --------------------------------------------------------------
+
+    def record(
+        self, instance: str, rank: int, layer: int, entries: Iterable[Any], at_ms: int | None = None
+    ) -> RecordResult:
+        """Deliver or buffer one layer's batch of ``(slot, tokens[, request_id])`` entries.
+
+        ``at_ms`` (all three operations): decide as of that time, on the server's clock, instead
+        of now: a replay keeps the time of the decision it replays (a signal keeps the time it
+        was first recorded, so one that expired stays expired)."""
+        return self._execute(self.protocol.record(instance, rank, layer, entries, at_ms))
+
+    def register(self, task: CacheTask, replace: bool = False, at_ms: int | None = None) -> RegisterResult:
+        """Make ``task`` the holder of its slot and return the slot's early signals."""
+        return self._execute(self.protocol.register(task, replace, at_ms))
+
+    def finish(self, instance: str, rank: int, slot: int, request_id: str, at_ms: int | None = None) -> FinishResult:
+        """Release the slot of ``request_id``; a no-op (``fenced``) if another request holds it.
+
+        One that raises ``BufferUnavailable`` is owed: sent again before the next call on the
+        rank (see ``owed``), unless its rank owes ``max_slots`` finishes already: then it
+        raises ``OwedFinishesFull``, and sending it again is the caller's."""
+        prepared = self.protocol.finish(instance, rank, slot, request_id, at_ms)
+        try:
+            return self._execute(prepared)
+        except BufferUnavailable as exc:
+            # Sent again before the next call on the rank; OwedFinishesFull instead when full.
+            self.owed.owe(OwedFinish(prepared, slot, request_id), exc)
+            raise
+
+    def apply(self, prepared: Prepared[Applied]) -> Applied:
+        """Run a prepared ``apply`` (the FastDeploy bridge's writer); resent with the same
+        token within ``retry_s``."""
+        return self._execute(prepared)
+
+    def execute(self, prepared: Prepared[T]) -> T:
+        """Run a call the FastDeploy bridge prepared (its identity claim, its group's votes),
+        with the retries, library loading and checks of every call; each is idempotent, so a
+        resend within ``retry_s`` is safe."""
+        return self._execute(prepared)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    @whole_call
+    def pending(self, instance: str, rank: int, slot: int) -> list[LayerSignal]:
+        """The slot's buffered signals, ordered by layer (read-only)."""
+        keys = self.protocol.slot_keys(instance, rank, slot)
+        # Two reads: the rank's layers, then the slot's field for each (a view, not a snapshot).
+        stored = self._retrying("pending", lambda: self.client.hget(keys.pending, PENDING_LAYERS), "hget")
+        layers = pending_layers(stored)
+        if not layers:
+            return []
+        fields = slot_signal_fields(slot, layers)
+        values = self._retrying("pending", lambda: self.client.hmget(keys.pending, fields), "hmget")
+        return parse_pending(instance, rank, slot, layers, values)
+
+    @whole_call
+    def task(self, instance: str, rank: int, slot: int) -> CacheTask | None:
+        """The slot's live task, or None (read-only)."""
+        keys = self.protocol.slot_keys(instance, rank, slot)
+        # One read of the lease and the document; decode_task checks that they agree.
+        fields = task_fields(slot)
+        holder, document = self._retrying("task", lambda: self.client.hmget(keys.live, fields), "hmget")
+        return decode_task(instance, rank, slot, holder, document, self.now_ms())
+
+    def now_ms(self) -> int:
+        """The time the scripts use: the injected clock, else the server's."""
+        if self.protocol.clock is not None:
+            return int(self.protocol.clock())
+        seconds, micros = self._retrying("time", self.client.time, "time")
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def ranks(self, kind: str = "stats") -> list[tuple[str, int]]:
+        """Every (instance, rank) with a ``kind`` key in this namespace (SCAN, never KEYS).
+
+        Every rank that ever recorded has a ``stats`` key, so the default finds them all without
+        walking the short-lived reply keys; ``kind="*"`` walks every key of the namespace.
+        """
+        found = set()
+        pattern = self.protocol.keys.pattern(kind)
+        for key in self._retrying("scan", lambda: list(self.client.scan_iter(match=pattern, count=1000)), "scan"):
+            owner = self.protocol.keys.owner(key)
+            if owner is not None:
+                found.add(owner)
+        return sorted(found)
+
+    def sweep(self) -> int:
+        """Count and remove expired pending signals on every rank of the namespace."""
+        total = 0
+        for instance, rank in self.ranks("expiry"):
+            call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
+            while True:
+                until = time.monotonic() + self.config.retry_s
+                expired = int(self._retrying("sweep", partial(self._send, "sweep", call, until)))
+                total += expired
+                if expired == 0:
+                    break
+        return total
+
+    def stats(self, sweep: bool = True) -> dict[str, int]:
+        """The namespace's counters, summed over its ranks; sweeps expiries first by default."""
+        if sweep:
+            self.sweep()
+        pattern = self.protocol.keys.pattern("stats")
+        keys = self._retrying("stats", lambda: list(self.client.scan_iter(match=pattern, count=1000)), "scan")
+        return sum_stats([self._retrying("stats", partial(self.client.hgetall, key), "hgetall") for key in keys])
+
+    def server_policies(self) -> ServerPolicies:
+        """Each server's ``maxmemory-policy`` (every primary of a Cluster), read now; anything
+        but ``noeviction`` is warned about once per process and server (see ``eviction``).
+        Its ``durability`` holds each server's settings that decide what a restart or a
+        failover loses, warned about the same way (see ``durability``)."""
+        self.policies = self._retrying("policy", partial(eviction.server_policies, self.client))
+        eviction.judge(self.policies, WARN)
+        wait_replicas = self.config.wait_replicas
+        self.durability = self._retrying("durability", partial(durability.server_settings, self.client, wait_replicas))
+        durability.judge(self.durability)
+        return ServerPolicies(self.policies, self.durability)
+
+    def _check_server(self, key: str) -> None:
+        """Read the servers' eviction policy and durability settings before the first write (and
+        after a reconnect): warn, or refuse an evicting server in ``refuse`` mode (checked again
+        on the next call, so fixing the server's setting is enough). Connection errors go to the
+        call's retry loop. The first check reads every primary of a Cluster, a recheck only the
+        node of ``key``."""
+        found = eviction.server_policies(self.client, key if self.policies else None)
+        self.policies = {**self.policies, **found}
+        eviction.judge(found, self.config.eviction)
+        settings = durability.server_settings(self.client, self.config.wait_replicas, key if self.durability else None)
+        self.durability = {**self.durability, **settings}
+        durability.judge(settings)
+        self._server_unchecked = False
+
+    def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+        self.client.close()
+
+    def __enter__(self) -> SignalBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -------------------------------------------------------------------------
+
+    def _call_function(self, call: ScriptCall) -> Any:
+        """One FCALL; on "Function not found" (a restart without persistence, a new Cluster
+        node, FUNCTION FLUSH) load the library and resend the same call (same token)."""
+        function = FUNCTIONS[call.script]
+        direct = self._direct
+        send: Callable[[], Any]
+        if direct is not None:
+            send = partial(direct.run, wire.fcall(function, call.keys, call.args))
+        elif self._cluster:  # routed by the buffer: never a refresh on this thread (see routing)
+            key = call.keys[0]
+            send = partial(routing.on_key_node, self.client, key, call.script, partial(self._fcall_on, function, call))
+        else:
+            send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
+        try:
+            return send()
+        except ResponseError as exc:
+            if not function_missing(exc):
+                raise
+        ensure_library(self.client, call.keys[0])
+        try:
+            return send()
+        except ResponseError as exc:
+            if function_missing(exc):
+                raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
+            raise
+
+    @staticmethod
+    def _fcall_on(function: str, call: ScriptCall, node_client: Any, asking: bool) -> Any:
+        return routing.fcall(node_client, function, call.keys, call.args, asking)
+
+    _run_script = _call_function
+    """The operations' path (tests wrap it to lose replies); the permission check calls
+    ``_call_function`` itself."""
+
+    def _retrying(self, operation: str, action: Callable[[], T], sent: str = "fcall") -> T:
+        """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out.
+        A refusal by the ACL is ours (``NoPermissionError``); ``sent`` names the command when
+        the server does not (a refused key)."""
+        started = time.monotonic()
+        previous = deadline.bounded(started + self.config.retry_s)
+        try:
+            try:
+                return action()
+            except RETRYABLE as exc:
+                return self._resend(operation, action, started, exc)
+        except ServerRefused as exc:
+            raise from_server(operation, exc, sent) from exc
+        except RedisClusterException as exc:
+            if not cut_by_deadline():
+                raise
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            deadline.release(previous)
+
+    def _resend(self, operation: str, action: Callable[[], T], started: float, error: BaseException) -> T:
+        """The retry loop, entered only after a first attempt failed with ``error``: the common
+        call pays for no ``Attempts``. The budget counts from ``started``, the call's start."""
+        attempts = Attempts(operation, self.config.retry_s, started)
+        while True:
+            self._allowed.clear()  # the resend may reach another node, or a new connection
+            time.sleep(attempts.next_delay(error))
+            try:
+                return action()
+            except RETRYABLE as exc:
+                error = attempts.keep(error, exc)
+                self._server_unchecked = True  # a reconnect may reach another node
+
+    def _execute(self, prepared: Prepared[T]) -> T:
+        """Send a prepared call and parse its reply. The first send is made inline (no closure,
+        no retry state; ``perf_counter`` only for an observer); a resend reuses the same call,
+        hence the same idempotency token."""
+        call = prepared.call
+        if call is None:
+            return prepared.parse(None)
+        observer = self.observer
+        started = time.monotonic()
+        timer = time.perf_counter() if observer is not None else 0.0
+        operation = prepared.operation
+        until = started + self.config.retry_s
+        # Every socket operation of the call waits at most until its deadline (see deadline.py).
+        previous = deadline.bounded(until)
+        try:
+            try:
+                if self.owed:  # within this call's deadline: a call's bound holds with finishes owed
+                    self._settle(call.keys[0])
+                reply = self._send(operation, call, until)
+            except RETRYABLE as exc:
+                self._server_unchecked = True  # a reconnect may reach another node
+                reply = self._resend(operation, partial(self._send, operation, call, until), started, exc)
+        except OutOfMemoryError as exc:
+            raise ServerOutOfMemory(operation, exc) from exc
+        except ServerRefused as exc:
+            raise from_server(operation, exc, "fcall") from exc
+        except RedisClusterException as exc:  # a slot map refresh the deadline cut short
+            if not cut_by_deadline():
+                raise
+            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        finally:
+            deadline.release(previous)
+        result = prepared.parse(reply)
+        if observer is not None:
+            observer(operation, time.perf_counter() - timer)
+        return result
+
+    def _settle(self, key: str) -> None:
+        """Send the finishes owed on ``key``'s rank, in order, before the call that needs them."""
+        owed = self.owed.take(key)
+        for index, finish in enumerate(owed):
+            try:
+                self._execute(finish.prepared)
+            except BaseException:  # unsent: owed still, whatever stopped it
+                self.owed.give_back(key, owed[index:])
+                raise
+
+    # -- replication option (wait_replicas): see replication.py --------------------------------
+
+    def _send(self, operation: str, call: ScriptCall, until: float) -> Any:
+        if self._server_unchecked:
+            self._check_server(call.keys[0])
+        if call.keys[0] not in self._allowed:
+            self._allow(operation, call)
+        if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
+            wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
+            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms, until)
+        return self._run_script(call)
+
+    def _allow(self, operation: str, call: ScriptCall) -> None:
+        """Check the rank's permissions before its first call (see ``permissions``)."""
+        failure = refused(operation, self._call_function(self.protocol.permissions(call)))
+        if failure is not None:
+            raise failure
+        self._allowed.add(call.keys[0])

@@ -1,0 +1,486 @@
+"""The owned layout: this process registers every task of its rank, and decides every hook.
+
+FastDeploy's layout: one process runs the signal consumer, the task adder and the sender of
+its rank. Every hook call is decided in the process (``owner.OwnedRank``), with the semantics
+of FastDeploy's own fix, and never waits for Redis; a background writer claims the rank's
+identity, adopts what a predecessor left, then copies the decisions to Redis in one call per
+batch (``rls_v2_apply``), so Redis, ``rls inspect`` and the counters follow, behind by the
+writer's lag. With ``nranks > 1`` the layer-0 entries are released in the tensor-parallel
+group's order (``group``, ``voting``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import IdentityTaken
+from ..models import CacheTask, FinishResult
+from ..protocol.calls import new_token
+from ..protocol.replies import text
+from .context import STATS_DEGRADED_MS, STATS_RECONCILED, STATS_SERVED_LOCALLY, Batch, RankContext
+from .group import GroupQueue, Progress
+from .identity import TAKEN, TOOK, ClaimResult, IdentityClaim, release_quietly
+from .owner import OwnedRank
+from .signals import SIGNAL_LAYER
+from .voting import GroupVoter
+
+OFFSET_MAX_ROUND_TRIP_S = 1.0
+"""A reply that took longer (resent after errors) says too little about the clocks' offset."""
+
+_FINISHED = {
+    (removed, dropped, fenced): FinishResult(removed=removed, dropped=dropped, fenced=fenced)
+    for removed in (False, True)
+    for dropped in (0, 1)
+    for fenced in (False, True)
+}
+"""The results a finish decided in the process can have (frozen: one of each is shared)."""
+
+
+class OwnedLayout:
+    """One owned rank: its decisions (``owned``), its writer thread and its identity claim.
+
+    The constructor makes no Redis call: the writer claims and adopts before its first batch,
+    so a Redis that accepts connections and never answers delays no start."""
+
+    def __init__(self, ctx: RankContext, nranks: int, lease_s: float) -> None:
+        self.ctx = ctx
+        buffer = ctx.buffer
+        self.owned = OwnedRank(ctx.pending_ttl_ms, buffer.protocol.task_ttl_ms)
+        ctx.local.tasks = self.owned.tasks  # one map: what the sender's queue checks
+        self._writer_waits = False
+        """The writer waits for a decision (only then does a hook wake it)."""
+        self._pending_since: float | None = None
+        """When the oldest decision not yet taken by the writer was made (monotonic)."""
+        self._in_flight: tuple[float, int] | None = None
+        """(oldest decision, decisions) of the batch the writer is sending."""
+        self._resync = False
+        """Redis holds other slots than the process believes: the next batch lists them all."""
+        self._writer_token = new_token()
+        """Names this process's writer in Redis: its batches are numbered under it (apply.lua)."""
+        self._batches = 0
+        self.identity = IdentityClaim(buffer, ctx.instance, ctx.rank, self._writer_token, lease_s)
+        """The claim on (instance, rank) the writer holds in Redis: one identity, one owner."""
+        self._claim = "claiming"
+        """"claiming" until the writer's first claim is answered, then "held" or "refused"."""
+        self._refusal: IdentityTaken | None = None
+        """Why the identity is refused (another live process holds it), while it is."""
+        self._refusals = 0
+        """Refusal episodes: times the bridge found another live process holding its identity."""
+        self._adopted = False
+        """The writer claimed the identity and adopted what a predecessor left: until then the
+        hooks decide in the process, as they always do, and nothing is written."""
+        self.group: GroupQueue | None = None
+        """The layer-0 entries of a tensor-parallel rank (``nranks > 1``), released in the
+        group's order (see ``group``); None for a rank of its own."""
+        self._voter: GroupVoter | None = None
+        if nranks > 1:
+            self.group = GroupQueue(give_up_s=buffer.config.pending_ttl_s)
+            self._voter = GroupVoter(ctx, self.settle_group, self.group, nranks, interval_s=ctx.probe_s)
+        self._writer = threading.Thread(target=self._write_loop, name="rls-writer", daemon=True)
+        self._writer.start()
+        if self._voter is not None:
+            self._voter.start()
+
+    # -- the hooks' decisions ----------------------------------------------------------------
+
+    def record(self, pairs: Any, request_ids: Mapping[int, str] | None) -> Batch:
+        ctx = self.ctx
+        with ctx.lock:
+            if self.group is not None:
+                first = self.group.next_seq
+                progress = self.group.arrive(pairs, request_ids, time.monotonic())
+                self._decided("on_kv_signal")
+                return self.settle_group(progress, first, len(pairs))
+            queued, suppressed = self.owned.record(pairs, request_ids, ctx.server_ms())
+            if queued:
+                ctx.ready.put(queued)
+            ctx.suppressed += suppressed
+            self._decided("on_kv_signal")
+        return queued
+
+    def register(self, task: CacheTask) -> Batch:
+        ctx = self.ctx
+        with ctx.lock:
+            taken_from, tokens, reason = self.owned.register(task, ctx.server_ms())
+            self._decided("on_cache_task")
+            if taken_from is not None:
+                ctx.log_takeover(task, taken_from)
+            if self.group is not None:  # its early signals wait in the group's queue
+                return self.settle_group(self.group.registered(task), self.group.next_seq)
+            if tokens is None:
+                return []
+            if reason is not None:
+                ctx.log_dropped(task, tokens, reason)
+                return []
+            batch = [(task.slot, tokens)]
+            ctx.ready.put(batch)
+        if ctx.logger.isEnabledFor(logging.DEBUG):
+            ctx.logger.debug(
+                "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, tokens, task.request_id
+            )
+        return batch
+
+    def finish(self, slot: int, request_id: str) -> FinishResult:
+        ctx = self.ctx
+        with ctx.lock:
+            outcome = self.owned.finish(slot, request_id, ctx.server_ms())
+            if self.group is not None:
+                self.group.finished(slot, request_id)
+            self._decided("on_task_finished")
+        if outcome[2]:
+            ctx.logger.info("finish of %s on slot %d fenced: another request holds it", request_id, slot)
+        return _FINISHED[outcome]
+
+    def settle_group(self, progress: Progress, first_new: int, arrived: int = 0) -> Batch:
+        """Under the lock, for a tensor-parallel rank: queue each released entry as its own
+        batch, in order, log the dropped ones, and count both for Redis (see
+        ``Progress.counts``). Returns the released entries (already queued)."""
+        ctx = self.ctx
+        released: Batch = []
+        for entry in progress.released:
+            batch = [(entry.slot, entry.tokens)]
+            ctx.ready.put(batch)
+            released.extend(batch)
+        for entry, reason in progress.dropped:
+            ctx.logger.warning(
+                "%s/%d: dropped layer-0 entry %d (slot %d, %d tokens): %s",
+                ctx.instance,
+                ctx.rank,
+                entry.seq,
+                entry.slot,
+                entry.tokens,
+                reason.value,
+            )
+        counts = progress.counts(first_new, arrived)
+        if counts:
+            self.owned.count(counts)
+            if self._pending_since is None:  # a decision of the group thread: wake the writer
+                self._pending_since = time.monotonic()
+                if self._writer_waits:
+                    ctx.wake.notify_all()
+        return released
+
+    def _decided(self, operation: str) -> None:
+        """Under the lock: a hook decided; wake the writer with the first decision it has not
+        taken yet (it takes everything decided until then in one batch)."""
+        ctx = self.ctx
+        if self._pending_since is None:
+            self._pending_since = time.monotonic()
+            if self._writer_waits:
+                ctx.wake.notify_all()
+        if ctx.degraded_since is not None:
+            ctx.local_calls[operation] += 1
+            ctx.episode_calls += 1
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def health_fields(self) -> dict[str, Any]:
+        """Under the lock: this layout's fields of ``BridgeHealth``."""
+        fields: dict[str, Any] = {
+            "journal": 0,
+            "unwritten": self._unwritten(),
+            "lag_seconds": self._lag_seconds(),
+            "identity": self._claim,
+            "identity_holder": self._refusal.holder if self._refusal is not None else "",
+            "identity_refusals": self._refusals,
+        }
+        if self.group is not None and self._voter is not None:
+            fields["group_waiting"] = self.group.waiting()
+            fields["group_voting"] = len(self.group.voting())
+            fields["group_unreachable"] = self._voter.unreachable
+        return fields
+
+    def _unwritten(self) -> int:
+        """Under the lock: hook decisions Redis does not hold yet."""
+        in_flight = max(1, self._in_flight[1]) if self._in_flight is not None else 0
+        rest = int(not self.owned.decisions and (self._resync or self.owned.unwritten()))
+        return self.owned.decisions + in_flight + rest
+
+    def _lag_seconds(self) -> float:
+        """Under the lock: the age of the oldest decision Redis does not hold yet."""
+        times = [t for t in (self._pending_since, self._in_flight[0] if self._in_flight else None) if t is not None]
+        return time.monotonic() - min(times) if times else 0.0
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until the writer has claimed the identity, adopted, and Redis holds every
+        decision made so far (True), or ``timeout_s`` passes (False); False at once while
+        another process owns the identity (nothing is written then)."""
+        deadline = time.monotonic() + timeout_s
+        with self.ctx.wake:
+            while not self._adopted or self._unwritten():
+                left = deadline - time.monotonic()
+                if left <= 0 or self._refusal is not None:
+                    return False
+                self.ctx.wake.wait(left)
+            return True
+
+    def claimed(self, timeout_s: float) -> bool:
+        """Wait for the outcome of the identity's claim (see ``Layer0Bridge.claimed``)."""
+        deadline = time.monotonic() + timeout_s
+        with self.ctx.wake:
+            while True:
+                if self._refusal is not None:
+                    raise self._refusal
+                if self._claim == "held":
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.ctx.wake.wait(left)
+
+    def reconcile(self) -> bool:
+        """The writer writes back: wait for it, at most the buffer's ``retry_s``."""
+        if not self.flush(self.ctx.buffer.config.retry_s):
+            return False
+        with self.ctx.lock:
+            return self.ctx.degraded_since is None
+
+    def close(self) -> None:
+        """Stop the writer once what was decided is written (at most the buffer's ``retry_s``,
+        none while Redis does not answer), then give the identity up."""
+        ctx = self.ctx
+        if ctx.degraded_since is None:
+            self.flush(ctx.buffer.config.retry_s)
+        ctx.closed.set()
+        with ctx.wake:
+            ctx.wake.notify_all()
+        self._writer.join(5)
+        stopped = not self._writer.is_alive()
+        if stopped and self._claim == "held" and ctx.degraded_since is None:
+            release_quietly(self.identity)
+
+    # -- the writer: Redis follows the process's decisions ---------------------------------------
+
+    def _adopt(self, claim: ClaimResult) -> None:
+        """With the identity claimed: what an earlier process of this rank left in Redis (see
+        ``OwnedRank.adopt``); raises what reading it raised."""
+        ctx = self.ctx
+        if claim.outcome == TOOK and claim.holder is not None:
+            ctx.logger.warning(
+                "%s/%d: took the identity over from %s, which is gone (its pid is not alive on this host)",
+                ctx.instance,
+                ctx.rank,
+                claim.holder.describe(),
+            )
+        elif self._refusal is not None:
+            ctx.logger.warning(
+                "%s/%d: claimed the identity %s held (its lease ran out)",
+                ctx.instance,
+                ctx.rank,
+                self._refusal.holder,
+            )
+        buffer = ctx.buffer
+        keys = buffer.protocol.keys.rank(ctx.instance, ctx.rank)
+        pending_raw = buffer.client.hgetall(keys.pending)
+        live_raw = buffer.client.hgetall(keys.live)
+        sent = time.time()
+        now = buffer.now_ms()
+        midway = (sent + time.time()) / 2
+        pending: dict[int, str] = {}
+        suffix = f":{SIGNAL_LAYER}"
+        for field, value in pending_raw.items():
+            name, value_text = text(field), text(value)
+            if name.endswith(suffix) and name[: -len(suffix)].isdigit():
+                pending[int(name[: -len(suffix)])] = value_text
+        holders = {int(text(f)): text(v)[17:] for f, v in live_raw.items() if text(f).isdigit()}
+        with ctx.lock:
+            if buffer.protocol.clock is None:
+                ctx.offset_ms = now - int(midway * 1000)
+            late = self.owned.adopt(pending, holders, ctx.server_ms(), keep_early=self.group is None)
+            if late:
+                ctx.ready.put(late)
+            if self.owned.unwritten() and self._pending_since is None:
+                self._pending_since = time.monotonic()
+            if self._refusal is not None:
+                self._resync = True  # the other process wrote the rank meanwhile
+            self._claim, self._refusal, self._adopted = "held", None, True
+            ctx.wake.notify_all()
+
+    def _write_loop(self) -> None:
+        """The writer thread, until the bridge closes: claims the identity and adopts, then
+        writes. A bug of its own is logged and counted (``health().errors["writer"]``) and the
+        writer goes on: the batch it held is sent with the next, which lists every slot of the
+        rank. An identity lost to another process (its lease ran out meanwhile) is claimed
+        again, as at start."""
+        if not self._start():
+            return
+        while True:
+            try:
+                self._write_batches()
+                return
+            except IdentityTaken:
+                self._give_back()
+                if not self._start():
+                    return
+            except Exception as exc:
+                self.ctx.bug("writer", exc)
+                self._give_back()
+                if self.ctx.closed.wait(self.ctx.probe_s):
+                    return
+
+    def _give_back(self) -> None:
+        """The batch in flight will not be confirmed: it goes with the next, which lists every slot."""
+        with self.ctx.wake:
+            self.owned.give_back()
+            self._in_flight = None
+            self._resync = True
+            if self._pending_since is None:
+                self._pending_since = time.monotonic()
+
+    def _outage(self, exc: BaseException) -> None:
+        """The writer's call failed: an episode (a traceback is formatted outside the lock)."""
+        with self.ctx.lock:
+            started = self.ctx.degrade("writer", exc, log=False)
+        if started:
+            self.ctx.log_degraded("writer", exc)
+
+    def _start(self) -> bool:
+        """Claim the identity, then adopt what a predecessor left, before the first batch; False
+        when the bridge closed first. Refused (another live process holds the identity), the
+        bridge writes nothing, serves its process locally and claims again every third of the
+        lease. Unanswered, it counts as an outage, and tries again every ``probe_s``."""
+        ctx = self.ctx
+        refused = self._refusal is not None  # lost while running: counted and logged already
+        while not ctx.closed.is_set():
+            try:
+                result = self.identity.claim(count_refusal=not refused)
+                if result.outcome == TAKEN:
+                    self._refused(result, first=not refused)
+                    refused = True
+                    if ctx.closed.wait(self.identity.renew_s):
+                        return False
+                    continue
+                self._adopt(result)
+                return True
+            except Exception as exc:
+                self._outage(exc)
+                if ctx.closed.wait(ctx.probe_s):
+                    return False
+        return False
+
+    def _refused(self, result: ClaimResult, first: bool) -> None:
+        """Another live process holds the identity: say so (once per episode, at ERROR)."""
+        ctx = self.ctx
+        holder = result.holder.describe() if result.holder is not None else "another process"
+        error = IdentityTaken(ctx.instance, ctx.rank, holder, self.identity.me.describe())
+        if first:  # logged before anyone waiting in ``claimed`` hears of it
+            ctx.logger.error("%s", error)
+        with ctx.wake:
+            if self._refusal is None:
+                self._refusals += 1
+            self._refusal = error
+            self._claim = "refused"
+            self._adopted = False
+            if ctx.degraded_since is not None:
+                # Redis answers (it refused): the outage is over; counted with the next batch.
+                seconds, calls, _entries = ctx.end_episode()
+                self.owned.counts[STATS_DEGRADED_MS] += max(1, round(seconds * 1000))
+                self.owned.counts[STATS_SERVED_LOCALLY] += calls
+            ctx.wake.notify_all()
+
+    def _renew(self, before_write: bool) -> None:
+        """Renew the claim; raises ``IdentityTaken`` when another process holds it now (this
+        one's lease ran out meanwhile), what the call raises when Redis does not answer.
+        ``before_write``: only when the lease might end before a write sent now is done."""
+        if before_write and self.identity.valid_for(self.ctx.buffer.config.retry_s + self.ctx.probe_s):
+            return
+        if not before_write and not self.identity.renewal_due():
+            return
+        result = self.identity.claim(count_refusal=True)
+        if result.outcome == TAKEN:
+            self._refused(result, first=True)
+            assert self._refusal is not None
+            raise self._refusal
+
+    def _renew_quietly(self) -> None:
+        """The idle writer's renewal: a Redis that does not answer is tried again later (the
+        lease is checked again before the next write)."""
+        try:
+            self._renew(before_write=False)
+        except IdentityTaken:
+            raise
+        except Exception as exc:
+            self.ctx.logger.debug(
+                "%s/%d: could not renew the identity's lease: %s", self.ctx.instance, self.ctx.rank, exc
+            )
+
+    def _write_batches(self) -> None:
+        """Take what the process decided and not yet written, send it as one ``apply``, again
+        until Redis has it; the next batch holds what was decided meanwhile, compacted."""
+        ctx, owned, identity, buffer = self.ctx, self.owned, self.identity, self.ctx.buffer
+        every_slot = False
+        while True:
+            self._renew_quietly()  # outside the lock, when a third of the lease has passed
+            with ctx.wake:
+                # Degraded (the start met an outage): a batch, even empty, ends the episode.
+                while not (ctx.closed.is_set() or owned.unwritten() or self._resync or ctx.degraded_since):
+                    if identity.renewal_due():
+                        break
+                    self._writer_waits = True
+                    ctx.wake.wait(ctx.probe_s)
+                    self._writer_waits = False
+                    owned.expire(ctx.server_ms())  # the local sweep, also when the rank is idle
+                if ctx.closed.is_set():
+                    return
+                if not (owned.unwritten() or self._resync or ctx.degraded_since):
+                    continue  # woke to renew the lease
+                started = self._pending_since or time.monotonic()
+                batch = owned.take(every_slot, range(buffer.config.max_slots) if self._resync else range(0))
+                self._resync = False
+                self._in_flight = (started, batch.decisions)
+                self._pending_since = None
+            keys = buffer.protocol.keys.rank(ctx.instance, ctx.rank)
+            self._batches += 1
+            prepared = buffer.protocol.apply(
+                keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches
+            )
+            every_slot = False
+            while True:
+                try:
+                    self._renew(before_write=True)  # no write without the lease (IdentityTaken)
+                    sent = time.time()
+                    applied = buffer.apply(prepared)
+                    took = time.time() - sent
+                    midway = sent + took / 2  # the server read its clock about halfway
+                    break
+                except IdentityTaken:
+                    raise
+                except Exception as exc:
+                    self._outage(exc)
+                    every_slot = True  # Redis may have lost what it held: send every slot next
+                    if ctx.closed.wait(ctx.probe_s):
+                        return
+            with ctx.wake:
+                if buffer.protocol.clock is None and took < OFFSET_MAX_ROUND_TRIP_S:
+                    ctx.offset_ms = applied.now_ms - int(midway * 1000)
+                self._in_flight = None
+                owned.written()
+                if (applied.tasks, applied.pending) != owned.believed() and not batch.everything:
+                    # Redis lost slots this batch did not list (a restart, a failover) or holds
+                    # some the process never wrote: the next batch lists every slot of the rank.
+                    self._resync = True
+                if applied.overridden:
+                    ctx.logger.warning(
+                        "%s/%d: %d slots in Redis did not hold what this process last wrote there "
+                        "(a restart, a failover, or a holder left by an earlier process): this "
+                        "process's state written over them, counted as overridden",
+                        ctx.instance,
+                        ctx.rank,
+                        applied.overridden,
+                    )
+                if ctx.degraded_since is not None:
+                    # The episode's counters go with the next batch: exact, under its token.
+                    behind = batch.decisions + owned.decisions  # Redis missed them: written back now
+                    ctx.reconciled += behind
+                    ctx.episode_reconciled += behind
+                    seconds, calls, entries = ctx.end_episode()
+                    owned.counts[STATS_DEGRADED_MS] += max(1, round(seconds * 1000))
+                    owned.counts[STATS_SERVED_LOCALLY] += calls
+                    owned.counts[STATS_RECONCILED] += entries
+                    if self._pending_since is None:
+                        self._pending_since = time.monotonic()
+                ctx.wake.notify_all()

@@ -1,0 +1,173 @@
+"""The server's ``maxmemory-policy``: read once per server, said loudly unless ``noeviction``.
+
+A Redis that evicts deletes pending signals, tasks and even the counters, without an error
+anywhere: the exactly-once promise only holds on a server that refuses writes when full. So a
+buffer reads the policy the first time it talks to a server (each primary of a Cluster), and
+again after a reconnect (a failover or a restart may have put it on another node). It reads
+``CONFIG GET maxmemory-policy``, or ``INFO memory`` where ``CONFIG`` is refused (managed
+services rename or forbid it). Anything but ``noeviction`` is logged once per process and
+server, exported as a metric, and, with ``eviction="refuse"``, refused with
+``errors.EvictingServer``.
+
+The check is not on the hot path: a call tests one attribute, and only the first call (or the
+first after a reconnect) sends the two commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from ..constants import REFUSE
+from ..errors import EvictingServer
+from ..protocol.replies import text
+from .nodes import is_cluster, is_fake, label
+
+logger = logging.getLogger("redis_layer_signals")
+
+SAFE_POLICY = "noeviction"
+UNKNOWN = "unknown"
+"""The policy when neither ``CONFIG GET`` nor ``INFO`` is allowed: not warned as evicting."""
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def policy_of_config(reply: Any) -> str | None:
+    """``CONFIG GET maxmemory-policy`` as redis-py parses it (a dict), or None."""
+    if isinstance(reply, Mapping):
+        for name, value in reply.items():
+            if text(name) == "maxmemory-policy":
+                return text(value)
+    return None
+
+
+def policy_of_info(reply: Any) -> str | None:
+    """``INFO memory``'s ``maxmemory_policy``, or None."""
+    if isinstance(reply, Mapping):
+        value = reply.get("maxmemory_policy")
+        if value is not None:
+            return text(value)
+    return None
+
+
+def read_policy(client: Any, **target: Any) -> str:
+    """The policy of the server ``client`` talks to (``target_nodes=`` for one Cluster node).
+    A refusal (no permission, a renamed command) falls back to ``INFO``, then to ``unknown``;
+    connection errors propagate, for the caller's retry loop."""
+    try:
+        policy = policy_of_config(client.config_get("maxmemory-policy", **target))
+        if policy is not None:
+            return policy
+    except ResponseError:
+        pass
+    try:
+        return policy_of_info(client.info("memory", **target)) or UNKNOWN
+    except ResponseError:
+        return UNKNOWN
+
+
+async def async_read_policy(client: Any, **target: Any) -> str:
+    """``read_policy`` on a redis.asyncio client."""
+    try:
+        policy = policy_of_config(await client.config_get("maxmemory-policy", **target))
+        if policy is not None:
+            return policy
+    except ResponseError:
+        pass
+    try:
+        return policy_of_info(await client.info("memory", **target)) or UNKNOWN
+    except ResponseError:
+        return UNKNOWN
+
+
+def server_policies(client: Any, key: str | None = None) -> dict[str, str]:
+    """Every server's policy: one for a plain or Sentinel client, each primary of a Cluster, or
+    with ``key`` only the Cluster node that serves it (the recheck after a reconnect, which must
+    not wait on a primary that is cut off while the call's own node answers)."""
+    if is_fake(client):
+        return {"memory": SAFE_POLICY}
+    if is_cluster(client):
+        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
+        return {node.name: read_policy(client, target_nodes=node) for node in nodes}
+    return {label(client): read_policy(client)}
+
+
+async def async_server_policies(client: Any, key: str | None = None) -> dict[str, str]:
+    """``server_policies`` on a redis.asyncio client."""
+    if is_fake(client):
+        return {"memory": SAFE_POLICY}
+    if is_cluster(client):
+        if not client.get_primaries():
+            await client.initialize()
+        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
+        return {node.name: await async_read_policy(client, target_nodes=node) for node in nodes}
+    return {label(client): await async_read_policy(client)}
+
+
+def evicting(policies: Mapping[str, str]) -> dict[str, str]:
+    """The servers of ``policies`` that may evict keys."""
+    return {server: policy for server, policy in policies.items() if policy not in (SAFE_POLICY, UNKNOWN)}
+
+
+def _first_time(server: str, policy: str) -> bool:
+    with _warned_lock:
+        if (server, policy) in _warned:
+            return False
+        _warned.add((server, policy))
+        return True
+
+
+def judge(policies: Mapping[str, str], mode: str) -> None:
+    """Warn once per process and server about an evicting server; raise in ``refuse`` mode.
+    A policy that could not be read is warned about too (once), but not refused."""
+    for server, policy in policies.items():
+        if policy == UNKNOWN and _first_time(server, policy):
+            logger.warning(
+                "cannot read the maxmemory-policy of Redis %s (CONFIG GET and INFO refused): make sure it is "
+                "noeviction, or grant +info (see acl.rules())",
+                server,
+            )
+    for server, policy in evicting(policies).items():
+        if mode == REFUSE:
+            raise EvictingServer(server, policy)
+        if not _first_time(server, policy):
+            continue
+        logger.warning(
+            "Redis %s has maxmemory-policy %s: it may evict pending signals, tasks and counters "
+            "without an error, and the buffer cannot see what it lost. "
+            "Set `maxmemory-policy noeviction` (CONFIG SET maxmemory-policy noeviction, and in redis.conf)",
+            server,
+            policy,
+        )
+
+
+def _figures(info: Any) -> tuple[str, float | None]:
+    """(policy, evicted keys) from one server's ``INFO memory stats``."""
+    policy = policy_of_info(info) or UNKNOWN
+    evicted = info.get("evicted_keys") if isinstance(info, Mapping) else None
+    return policy, None if evicted is None else float(evicted)
+
+
+def server_figures(client: Any) -> dict[str, tuple[str, float | None]]:
+    """Each server's policy and ``evicted_keys`` (every primary of a Cluster), from one
+    ``INFO memory stats`` per server: what the exporter reports as evidence of eviction.
+    Servers that refuse INFO are left out."""
+    if is_fake(client):
+        return {"memory": (SAFE_POLICY, 0.0)}
+    targets: list[tuple[str, dict[str, Any]]]
+    if is_cluster(client):
+        targets = [(node.name, {"target_nodes": node}) for node in client.get_primaries()]
+    else:
+        targets = [(label(client), {})]
+    figures = {}
+    for server, target in targets:
+        try:
+            figures[server] = _figures(client.info("memory", "stats", **target))
+        except ResponseError:
+            continue
+    return figures
