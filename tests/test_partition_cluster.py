@@ -144,8 +144,8 @@ def test_cluster_primary_cut_off_until_promoted_then_healed(
     print(f"\nfigures wait_replicas={wait} replica_first={replica_first}: {json.dumps(figures)}")
 
     assert near["unavailable"] > 0, "the cut primary's calls never timed out: was it cut?"
-    assert near["max_attempt_s"] <= CALL_BOUND_S, figures
-    assert far["unavailable"] == 0 and far["max_attempt_s"] <= BYSTANDER_BOUND_S, figures
+    assert near["max_attempt_s"] <= CALL_BOUND_S + near["max_lag_s"], figures
+    assert far["unavailable"] == 0 and far["max_attempt_s"] <= BYSTANDER_BOUND_S + far["max_lag_s"], figures
     if exact:
         assert accounting["twice"] == 0, figures
         assert accounting["signals_lost"] == accounting["registrations_lost"] == 0, figures
