@@ -118,6 +118,9 @@ def test_sentinel_split_old_primary_without_majority(
     for side in (old_side, new_side):
         assert side["max_attempt_s"] <= CALL_BOUND_S + side["max_lag_s"], figures
     if safe:
+        # Exact: a call is acknowledged once a replica applied it (WAIT 1), the old primary
+        # refuses writes once no replica acknowledged within 2 s (min-replicas-max-lag), and the
+        # sentinels promote the replica with the largest offset, which holds all either applied.
         assert accounting["twice"] == 0, figures
         assert accounting["signals_lost"] == accounting["registrations_lost"] == 0, figures
     else:
