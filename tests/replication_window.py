@@ -1,9 +1,9 @@
 """What asynchronous replication may lose at a failover, bounded from both sides.
 
-Redis promises no more than this: a write reaches a replica after the primary acknowledged it
-(``wait_replicas=0``), and the promoted replica keeps exactly the prefix of the replication
-stream it had applied, up to its offset ``kept`` (``second_repl_offset - 1`` once promoted; a
-transaction counts only once its ``EXEC`` is applied). Whatever the primary had run when its
+Redis promises no more than this: the primary acknowledges a write without waiting for a
+replica to apply it (``wait_replicas=0``), and the promoted replica keeps exactly the prefix
+of the replication stream it had applied, up to its offset ``kept`` (``second_repl_offset - 1``
+once promoted; a transaction counts only once its ``EXEC`` is applied). Whatever the primary had run when its
 own ``master_repl_offset`` was still at most ``kept`` survives; whatever it ran once its offset
 was past ``kept`` is gone. So, with the old primary's offset sampled on its own host (which no
 cut reaches), each reading stamped before it was asked and after it answered:
