@@ -68,6 +68,7 @@ def split_and_heal(hosts: Hosts, group: HostedSentinelGroup, tmp: Path, wait: in
         readings = sampler.stop()
         kept = kept_offset(group.servers[new])
         time.sleep(OLD_SIDE_WRITES_S)  # the old primary's side keeps calling it
+        healing = time.monotonic()  # before: a client may reach the new primary before heal() returns
         hosts.heal()
         healed = time.monotonic()
         wait_until(lambda: group.role("h1") == ("slave", new), timeout=60, what="the old primary rejoined")
@@ -79,13 +80,13 @@ def split_and_heal(hosts: Hosts, group: HostedSentinelGroup, tmp: Path, wait: in
         hosts.heal()  # also after a failure: the clients only stop once their calls get through
         result = collect(tmp, workers)
     # Before the split every client called the old primary, and the old side's client (h4,
-    # process 0) reached no other until the heal; none acknowledges a write once it rejoined
+    # process 0) reached no other until the heal began; none acknowledges a write once it rejoined
     # as a replica (the test saw that last: looser, never wrong).
     window = loss_window(
         readings,
         kept,
         acks_of(result, namespace),
-        old_primary_only=lambda process, acked: acked < split or (process == 0 and acked < healed),
+        old_primary_only=lambda process, acked: acked < split or (process == 0 and acked < healing),
         old_primary_may_have=lambda _process, acked: acked <= rejoined,
     )
     return {"result": result, "phases": phases, "namespace": namespace, "loss_window": window}, new
