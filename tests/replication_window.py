@@ -64,10 +64,15 @@ class OffsetSampler:
         except BaseException as exc:  # said by stop(): a sampler that stopped early is a failed test
             self.error = exc
 
-    def stop(self) -> list[Reading]:
+    def halt(self) -> None:
+        """Stop reading (again), raising nothing: for a ``finally`` that must go on."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
+
+    def stop(self) -> list[Reading]:
+        """Stop reading; the readings, or what made them fail."""
+        self.halt()
         if self.error is not None:
             raise AssertionError(f"reading the primary's offset failed: {self.error!r}") from self.error
         return self.readings

@@ -103,7 +103,7 @@ def partition(
         phases["heal_to_rejoined_s"] = time.monotonic() - healed
         time.sleep(1.0)
     finally:
-        sampler.stop()
+        sampler.halt()
         hosts.heal()  # also after a failure: the clients only stop once their calls get through
         result = collect(tmp, workers)
     # Before the cut only the victim serves its slots; none but it can until the replica is

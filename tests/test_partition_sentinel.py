@@ -76,7 +76,7 @@ def split_and_heal(hosts: Hosts, group: HostedSentinelGroup, tmp: Path, wait: in
         phases["heal_to_rejoined_s"] = rejoined - healed
         time.sleep(1.0)
     finally:
-        sampler.stop()
+        sampler.halt()
         hosts.heal()  # also after a failure: the clients only stop once their calls get through
         result = collect(tmp, workers)
     # Before the split every client called the old primary, and the old side's client (h4,
