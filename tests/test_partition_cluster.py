@@ -10,8 +10,8 @@ on a namespace another primary serves. Each call that raises ``BufferUnavailable
 accounting applies after the heal. Each attempt's wall time is measured against the bound.
 
 With ``wait_replicas=1`` nothing acknowledged is lost, and the race test's accounting holds
-exactly. With 0 Redis replicates after it acknowledges, so even a clean cut can lose the last
-writes the replica had not applied yet: what was lost is counted and must lie within the
+exactly. With 0 Redis acknowledges without waiting for the replica, so even a clean cut can
+lose the last writes the replica had not applied yet: what was lost is counted and must lie within the
 window the replication offsets place (tests/replication_window.py), never asserted exact."""
 
 from __future__ import annotations
