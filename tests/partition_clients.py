@@ -30,7 +30,8 @@ a connection, the client process's other threads)."""
 
 def call_bound_s(retry_s: float) -> float:
     """The most an attempt may take in these tests: the documented ``retry_s`` + ``MARGIN_S``,
-    ``wait_timeout_ms`` (the WAIT path), and ``LOADED_SLACK_S``."""
+    ``wait_timeout_ms`` (the WAIT path), and ``LOADED_SLACK_S``; the tests add the longest the
+    client process's threads waited to run (``max_lag_s`` of :func:`figures_of`)."""
     return retry_s + MARGIN_S + WAIT_TIMEOUT_MS / 1000 + LOADED_SLACK_S
 
 
@@ -110,8 +111,10 @@ def shortfall(logs: list[Log], buf: SignalBuffer) -> dict[str, int]:
 
 
 def figures_of(result: dict[str, Any], ns: str, process: int | None = None) -> dict[str, Any]:
-    """One namespace's slowest attempt, attempts, and attempts that raised BufferUnavailable;
-    of one client process (its index in the client hosts) when given."""
+    """One namespace's slowest attempt, attempts, and attempts that raised BufferUnavailable,
+    and the longest the client processes' threads waited to run (tests/partition_worker.py's
+    ``LagMeter``: an attempt's bound grows by it); of one client process (its index in the
+    client hosts) when given."""
     timings = result["timings"][ns]
     if process is not None:
         timings = timings[process : process + 1]
@@ -121,6 +124,7 @@ def figures_of(result: dict[str, Any], ns: str, process: int | None = None) -> d
         "attempts": sum(t["attempts"] for t in timings),
         "unavailable": sum(t["unavailable"] for t in timings),
         "last_error": next((t["last_error"] for t in timings if t["last_error"]), ""),
+        "max_lag_s": round(max(t["max_lag_s"] for t in timings), 3),
     }
 
 

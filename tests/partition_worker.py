@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,17 @@ MIN_OPERATIONS = 20
 
 @dataclasses.dataclass
 class Timing:
-    """Attempts of one namespace's calls: the slowest, and how many raised BufferUnavailable."""
+    """Attempts of one namespace's calls: the slowest, and how many raised BufferUnavailable;
+    and each acknowledged call as ``[first attempt's start, acknowledged, signals recorded,
+    registrations, signals handed out]`` (monotonic seconds, which every host shares), which
+    places what a failover lost in time."""
 
     max_s: float = 0.0
     max_operation: str = ""
     attempts: int = 0
     unavailable: int = 0
     last_error: str = ""
+    acks: list[list[float]] = dataclasses.field(default_factory=list)
 
 
 class Resending:
@@ -49,11 +54,16 @@ class Resending:
         self.timing = timing
         self.lock = lock
 
-    def _until_done(self, prepared: Prepared[Any]) -> Any:
+    def _until_done(self, prepared: Prepared[Any], counts: Callable[[Any], tuple[int, int, int]]) -> Any:
+        first = time.monotonic()
         while True:
             started = time.monotonic()
             try:
-                return self.buf._execute(prepared)
+                result = self.buf._execute(prepared)
+                acknowledged = time.monotonic()
+                with self.lock:
+                    self.timing.acks.append([first, acknowledged, *counts(result)])
+                return result
             except BufferUnavailable as exc:
                 with self.lock:
                     self.timing.unavailable += 1
@@ -67,13 +77,36 @@ class Resending:
                         self.timing.max_s, self.timing.max_operation = took, prepared.operation
 
     def record(self, instance: str, rank: int, layer: int, entries: Any) -> RecordResult:
-        return self._until_done(self.buf.protocol.record(instance, rank, layer, entries))  # type: ignore[no-any-return]
+        prepared = self.buf.protocol.record(instance, rank, layer, entries)
+        return self._until_done(prepared, lambda r: (len(entries), 0, len(r.delivered)))  # type: ignore[no-any-return]
 
     def register(self, task: CacheTask, replace: bool = False) -> RegisterResult:
-        return self._until_done(self.buf.protocol.register(task, replace))  # type: ignore[no-any-return]
+        prepared = self.buf.protocol.register(task, replace)
+        return self._until_done(prepared, lambda r: (0, 1, len(r.recovered) + len(r.dropped)))  # type: ignore[no-any-return]
 
     def finish(self, instance: str, rank: int, slot: int, request_id: str) -> FinishResult:
-        return self._until_done(self.buf.protocol.finish(instance, rank, slot, request_id))  # type: ignore[no-any-return]
+        prepared = self.buf.protocol.finish(instance, rank, slot, request_id)
+        return self._until_done(prepared, lambda r: (0, 0, 0))  # type: ignore[no-any-return]
+
+
+class LagMeter:
+    """How late this process's threads may run: a thread that sleeps ``TICK_S`` again and again
+    and keeps the most it woke late (the CPU and the GIL it waited for, as any call's thread
+    would). The tests widen the bound on an attempt by it: a deadline that fired on time
+    still returns only when its thread runs."""
+
+    TICK_S = 0.01
+
+    def __init__(self, stop: Path) -> None:
+        self.stop = stop
+        self.max_s = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True, name="lag-meter")
+
+    def _run(self) -> None:
+        while not self.stop.exists():
+            started = time.monotonic()
+            time.sleep(self.TICK_S)
+            self.max_s = max(self.max_s, time.monotonic() - started - self.TICK_S)
 
 
 def main(spec_path: str) -> None:
@@ -86,6 +119,8 @@ def main(spec_path: str) -> None:
     logs: dict[str, list[Log]] = {ns: [] for ns in spec["namespaces"]}
     timings = {ns: Timing() for ns in spec["namespaces"]}
     errors: list[str] = []
+    lag = LagMeter(stop)
+    lag.thread.start()
 
     def run(namespace: str, worker: int) -> None:
         buf = SignalBuffer(
@@ -121,7 +156,7 @@ def main(spec_path: str) -> None:
     out = {
         "errors": errors,
         "logs": {ns: [dataclasses.asdict(log) for log in found] for ns, found in logs.items()},
-        "timings": {ns: dataclasses.asdict(t) for ns, t in timings.items()},
+        "timings": {ns: {**dataclasses.asdict(t), "max_lag_s": lag.max_s} for ns, t in timings.items()},
     }
     Path(spec["out"]).write_text(json.dumps(out))
 
