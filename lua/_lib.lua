@@ -1,13 +1,14 @@
 #!lua name=rls_v2
 -- _lib.lua: the start of the rls_v2 Functions library, the helpers every function shares.
 --
--- redis_layer_signals/scripts.py joins this file and record.lua, register.lua, finish.lua,
--- sweep.lua, apply.lua, group.lua and claim.lua (then permissions.lua and digest.lua), in that order, into one library, loaded
--- once per server with FUNCTION LOAD and called with FCALL rls_v2_<operation>_<digest> (see
--- DIGEST below). The "v2" in both names is the library's version: a
--- release that changes what a function does loads under a new name, so two client releases
--- never replace each other's functions on a shared server. A release that also changes how
--- the keys are laid out must version its key names too (nothing released uses another layout).
+-- redis_layer_signals/server/library.py joins this file and record.lua, register.lua,
+-- finish.lua, sweep.lua, apply.lua, group.lua and claim.lua (then permissions.lua and
+-- digest.lua), in that order, into one library, loaded once per server with FUNCTION LOAD
+-- and called with FCALL rls_v2_<operation>_<digest> (see DIGEST below). The "v2" in both
+-- names is the library's version: a release that changes what a function does loads under a
+-- new name, so two client releases never replace each other's functions on a shared server.
+-- A release that also changes how the keys are laid out must version its key names too
+-- (nothing released uses another layout).
 --
 -- Loading runs this code once, and Redis 7.0 refuses any global (string, math, table, unpack,
 -- redis.call) while it does: top-level code only declares locals and registers functions, and
@@ -44,7 +45,7 @@
 -- with strcoll; tests/test_collation.py runs the functions under en_US.UTF-8).
 
 -- The library's digest: the SHA-256 of this code as the files stand, with the placeholder
--- below in place; scripts.py puts the digest in its place when it builds the library. Every
+-- below in place; server/library.py puts the digest in its place when it builds the library. Every
 -- function is registered as rls_v2_<operation>_<digest>, so a client calls only the code it
 -- ships: an rls_v2 built from other code has other function names, and the call is answered
 -- "Function not found" without running anything. rls_v2_digest (digest.lua) reports it.
