@@ -1,4 +1,4 @@
-"""Typed errors of the library.
+"""Typed errors of the library, and the client's errors that become ours.
 
 Validation errors are also ``ValueError`` so callers that already guard bad input keep working;
 they are raised before anything reaches Redis, so a rejected call has written nothing.
@@ -6,7 +6,11 @@ they are raised before anything reaches Redis, so a rejected call has written no
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import re
+from typing import Any, NoReturn
+
+from redis import exceptions as rx
 
 
 class SignalBufferError(Exception):
@@ -158,3 +162,35 @@ class IdentityTaken(SignalBufferError):
             "its process locally. Give each prefill engine its own pod IP or host name and "
             "engine_worker_queue_port"
         )
+
+
+FAILURES: tuple[type[BaseException], ...] = (rx.OutOfMemoryError, rx.NoPermissionError, rx.RedisClusterException)
+"""What a sync call may end with that ``raise_ours`` turns into our errors."""
+
+ASYNC_FAILURES: tuple[type[BaseException], ...] = (rx.OutOfMemoryError, rx.NoPermissionError, asyncio.TimeoutError)
+"""The same for an async call, whose deadline is a timeout around it."""
+
+
+def raise_ours(operation: str, error: BaseException, retry_s: float, cut_short: bool, sent: str = "fcall") -> NoReturn:
+    """Raise our error for one of ``FAILURES``: ``ServerOutOfMemory``, ``NoPermissionError``
+    (``sent`` names the command when the server names none), ``BufferUnavailable`` for a call
+    its deadline ``cut_short`` (or an async call's timeout); anything else as it is."""
+    if isinstance(error, rx.OutOfMemoryError):
+        raise ServerOutOfMemory(operation, error) from error
+    if isinstance(error, rx.NoPermissionError):
+        raise from_server(operation, error, sent) from error
+    if cut_short or isinstance(error, asyncio.TimeoutError):
+        raise BufferUnavailable(operation, retry_s, error) from error
+    raise error
+
+
+_COMMAND = re.compile(r"run the '([^']+)' command")
+
+
+def from_server(operation: str, error: rx.NoPermissionError, sent: str) -> NoPermissionError:
+    """Our error for a server's NOPERM: it names the refused command when the server does
+    (``this user has no permissions to run the 'hset' command``), else ``sent``, the command
+    the client sent (a refused key is reported without one)."""
+    match = _COMMAND.search(str(error))
+    command = match.group(1).lower() if match else sent
+    return NoPermissionError(operation, command, str(error))

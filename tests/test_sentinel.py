@@ -205,7 +205,7 @@ async def test_sentinel_failover_kept_connection_asks_the_sentinels_again(
     try:
         await abuf.record("p0", 0, 0, [(5, 100)])
         assert await abuf.client.wait(1, 2000) == 1  # the replica holds it before the failover
-        direct = abuf._direct
+        direct = abuf.sender.direct
         assert isinstance(direct, wire.AsyncDirectCalls)
         assert direct._idle, "the buffer keeps a connection to the old primary"
         set_config(old, "min-replicas-to-write", 1)

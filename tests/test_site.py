@@ -157,7 +157,7 @@ def test_the_diagram_check_refuses_a_broken_diagram() -> None:
 
 SPHINX_ROLE = re.compile(r":(class|func|meth|data|mod|attr|exc|obj):`")
 API_PAGE = "docs/reference/api.md"
-INTERNALS = ("make_client", "direct_calls", "BufferBase.protocol", "_InvalidValue", "LocalState", "Prepared")
+INTERNALS = ("make_client", "sender_for", "BufferBase.protocol", "_InvalidValue", "LocalState", "Prepared")
 
 
 def test_no_docstring_uses_a_sphinx_role() -> None:

@@ -67,7 +67,7 @@ def test_plain_clients_go_direct_and_the_others_keep_redis_py(server: RedisServe
     assert not wire.supports(redis.Redis(port=server.port, single_connection_client=True))
     memory = SignalBuffer.from_url("memory://wire-test", env={})
     clustered = SignalBuffer.from_url(cluster.url, env={})
-    assert memory._direct is None and clustered._direct is None
+    assert memory.sender.direct is None and clustered.sender.direct is None
     memory.close()
     clustered.close()
 
@@ -148,7 +148,7 @@ def test_interrupted_call_leaves_no_reply_for_the_next(direct_buf: SignalBuffer,
     direct_buf.register(task(1))
     assert direct_buf.record("p0", 0, 0, [(1, 1)]).delivered
     before = our_connections(server)
-    (connection,) = direct_buf._direct._idle  # type: ignore[union-attr]
+    (connection,) = direct_buf.sender.direct._idle  # type: ignore[union-attr]
     real_read = connection.read_response
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
@@ -197,7 +197,7 @@ def test_close_during_a_call_leaves_no_connection_checked_out(server: RedisServe
     pool = redis.ConnectionPool(port=server.port, max_connections=2)
     buffer = SignalBuffer(redis.Redis(connection_pool=pool), namespace="w", env={})
     buffer.record("p0", 0, 0, [(1, 1)])  # one connection kept, one used by SCRIPT LOAD
-    (connection,) = buffer._direct._idle  # type: ignore[union-attr]
+    (connection,) = buffer.sender.direct._idle  # type: ignore[union-attr]
     real_read = connection.read_response
 
     def close_meanwhile(*args: Any, **kwargs: Any) -> Any:

@@ -28,7 +28,7 @@ def task(slot: int, request_id: str = "req-1") -> CacheTask:
 
 
 def direct_of(buffer: AsyncSignalBuffer) -> wire.AsyncDirectCalls:
-    direct = buffer._direct
+    direct = buffer.sender.direct
     assert isinstance(direct, wire.AsyncDirectCalls)
     return direct
 
@@ -164,7 +164,7 @@ async def test_supports_async_only_plain_resp2_redis_asyncio_clients() -> None:
 async def test_fakeredis_async_buffer_keeps_the_client_path() -> None:
     buffer = AsyncSignalBuffer.from_url(f"memory://{uuid.uuid4().hex}", namespace="fake", env={})
     try:
-        assert buffer._direct is None
+        assert buffer.sender.direct is None
         assert [s.tokens for s in (await buffer.record("p0", 0, 0, [(1, 5)])).buffered] == [5]
     finally:
         await buffer.close()
@@ -181,7 +181,7 @@ def test_sync_kept_connections_never_take_the_whole_pool(
         with ThreadPoolExecutor(8) as threads:
             results = list(threads.map(lambda slot: buffer.record("p0", 0, 0, [(slot, 7)]), range(40)))
         assert [[s.slot for s in r.buffered] for r in results] == [[slot] for slot in range(40)]
-        assert isinstance(buffer._direct, wire.DirectCalls) and len(buffer._direct._idle) <= 2
+        assert isinstance(buffer.sender.direct, wire.DirectCalls) and len(buffer.sender.direct._idle) <= 2
         assert [s.tokens for s in buffer.pending("p0", 0, 39)] == [7]
     finally:
         buffer.close()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import BufferConfig
 from ..protocol.calls import Clock, Protocol
-from ..server.nodes import is_cluster
+from ..server.checks import ServerChecks
 from .owed import OwedFinishes
 
 Observer = Callable[[str, float], None]
@@ -31,10 +31,9 @@ class BufferBase:
         raise NotImplementedError
 
     @staticmethod
-    def direct_calls(client: Any) -> Any:
-        """The transport that sends packed calls past the client's per-command machinery, or
-        None to use the client's own methods (see ``wire``)."""
-        return None
+    def sender_for(client: Any, checks: ServerChecks, wait_replicas: int, wait_timeout_ms: int) -> Any:
+        """How this buffer's calls reach the server, chosen once (see ``transport.senders``)."""
+        raise NotImplementedError
 
     def __init__(
         self,
@@ -102,22 +101,23 @@ class BufferBase:
         self.client = client
         self.protocol = Protocol(self.config, clock)
         self.observer = observer
-        self._direct = self.direct_calls(client)
-        self._cluster = is_cluster(client)
-        """A Cluster client: the sync buffer routes its function calls itself (see ``routing``)."""
-        self._server_unchecked = True
-        """Set until the server's maxmemory-policy is read, and again after a retryable error
-        (a reconnect may reach another node): the only eviction cost a call pays is this test."""
-        self.policies: dict[str, str] = {}
-        """Each server's maxmemory-policy as last read (see ``eviction``)."""
-        self.durability: dict[str, dict[str, str]] = {}
-        """Each server's settings that decide what a restart or failover loses, as last read
-        with the policy (see ``durability``)."""
+        self.checks = ServerChecks(self.config.eviction, self.config.wait_replicas, self.protocol.permissions)
+        """What the buffer learned of its servers before its first write (see ``server.checks``)."""
+        self.sender = self.sender_for(client, self.checks, self.config.wait_replicas, self.config.wait_timeout_ms)
+        """How calls reach the server, chosen once for the client (see ``transport.senders``)."""
         self.owed = OwedFinishes(limit=self.config.max_slots)
         """Finishes that raised BufferUnavailable, sent again before the next call on their rank."""
-        self._allowed: set[str] = set()
-        """The first key of each rank whose permissions were checked since the last reconnect
-        (see ``permissions``)."""
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """Each server's maxmemory-policy as last read (see ``eviction``)."""
+        return self.checks.policies
+
+    @property
+    def durability(self) -> dict[str, dict[str, str]]:
+        """Each server's settings that decide what a restart or failover loses, as last read
+        with the policy (see ``durability``)."""
+        return self.checks.durability
 
     @classmethod
     def from_url(cls, url: str | None = None, **options: Any) -> Self:

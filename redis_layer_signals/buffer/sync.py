@@ -8,20 +8,16 @@ from collections.abc import Callable, Iterable
 from functools import partial, wraps
 from typing import Any, TypeVar
 
-from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
-
-from ..constants import WARN
-from ..errors import BufferUnavailable, ServerOutOfMemory
+from ..errors import FAILURES, BufferUnavailable, raise_ours
 from ..models import CacheTask, FinishResult, LayerSignal, RecordResult, RegisterResult
 from ..protocol.calls import Applied, Prepared, ScriptCall
 from ..protocol.counters import sum_stats
 from ..protocol.keys import PENDING_LAYERS
 from ..protocol.replies import decode_task, parse_pending, pending_layers, slot_signal_fields, task_fields
-from ..server import durability, eviction
+from ..server import checks
+from ..server.checks import ServerChecks
 from ..server.durability import ServerPolicies
-from ..server.library import FUNCTIONS, LibraryMissing, ensure_library, function_missing
-from ..server.permissions import ServerRefused, from_server, refused
-from ..transport import connection, deadline, replication, routing, wire
+from ..transport import connection, deadline, senders
 from ..transport.retry import RETRYABLE, Attempts, cut_by_deadline
 from .base import BufferBase
 from .owed import OwedFinish
@@ -59,8 +55,8 @@ class SignalBuffer(BufferBase):
         return connection.sync_client(url, retry_s)
 
     @staticmethod
-    def direct_calls(client: Any) -> wire.DirectCalls | None:
-        return wire.DirectCalls(client) if wire.supports(client) else None
+    def sender_for(client: Any, checks: ServerChecks, wait_replicas: int, wait_timeout_ms: int) -> senders.Sender:
+        return senders.sender_for(client, checks, wait_replicas, wait_timeout_ms)
 
     # -- the three operations --------------------------------------------------------------
 
@@ -154,8 +150,7 @@ class SignalBuffer(BufferBase):
         for instance, rank in self.ranks("expiry"):
             call = self.protocol.sweep(self.protocol.keys.rank(instance, rank))
             while True:
-                until = time.monotonic() + self.config.retry_s
-                expired = int(self._retrying("sweep", partial(self._send, "sweep", call, until)))
+                expired = int(self._retrying("sweep", partial(self._run_script, call)))
                 total += expired
                 if expired == 0:
                     break
@@ -174,30 +169,11 @@ class SignalBuffer(BufferBase):
         but ``noeviction`` is warned about once per process and server (see ``eviction``).
         Its ``durability`` holds each server's settings that decide what a restart or a
         failover loses, warned about the same way (see ``durability``)."""
-        self.policies = self._retrying("policy", partial(eviction.server_policies, self.client))
-        eviction.judge(self.policies, WARN)
-        wait_replicas = self.config.wait_replicas
-        self.durability = self._retrying("durability", partial(durability.server_settings, self.client, wait_replicas))
-        durability.judge(self.durability)
-        return ServerPolicies(self.policies, self.durability)
-
-    def _check_server(self, key: str) -> None:
-        """Read the servers' eviction policy and durability settings before the first write (and
-        after a reconnect): warn, or refuse an evicting server in ``refuse`` mode (checked again
-        on the next call, so fixing the server's setting is enough). Connection errors go to the
-        call's retry loop. The first check reads every primary of a Cluster, a recheck only the
-        node of ``key``."""
-        found = eviction.server_policies(self.client, key if self.policies else None)
-        self.policies = {**self.policies, **found}
-        eviction.judge(found, self.config.eviction)
-        settings = durability.server_settings(self.client, self.config.wait_replicas, key if self.durability else None)
-        self.durability = {**self.durability, **settings}
-        durability.judge(settings)
-        self._server_unchecked = False
+        read = partial(checks.read_servers, self.client, self.config.wait_replicas)
+        return self.checks.report(*self._retrying("policy", read))
 
     def close(self) -> None:
-        if self._direct is not None:
-            self._direct.close()
+        self.sender.close()
         self.client.close()
 
     def __enter__(self) -> SignalBuffer:
@@ -208,39 +184,10 @@ class SignalBuffer(BufferBase):
 
     # -- transport -------------------------------------------------------------------------
 
-    def _call_function(self, call: ScriptCall) -> Any:
-        """One FCALL; on "Function not found" (a restart without persistence, a new Cluster
-        node, FUNCTION FLUSH) load the library and resend the same call (same token)."""
-        function = FUNCTIONS[call.script]
-        direct = self._direct
-        send: Callable[[], Any]
-        if direct is not None:
-            send = partial(direct.run, wire.fcall(function, call.keys, call.args))
-        elif self._cluster:  # routed by the buffer: never a refresh on this thread (see routing)
-            key = call.keys[0]
-            send = partial(routing.on_key_node, self.client, key, call.script, partial(self._fcall_on, function, call))
-        else:
-            send = partial(self.client.fcall, function, len(call.keys), *call.keys, *call.args)
-        try:
-            return send()
-        except ResponseError as exc:
-            if not function_missing(exc):
-                raise
-        ensure_library(self.client, call.keys[0])
-        try:
-            return send()
-        except ResponseError as exc:
-            if function_missing(exc):
-                raise LibraryMissing(f"{function}: the library went missing again after loading it") from exc
-            raise
-
-    @staticmethod
-    def _fcall_on(function: str, call: ScriptCall, node_client: Any, asking: bool) -> Any:
-        return routing.fcall(node_client, function, call.keys, call.args, asking)
-
-    _run_script = _call_function
-    """The operations' path (tests wrap it to lose replies); the permission check calls
-    ``_call_function`` itself."""
+    def _run_script(self, call: ScriptCall) -> Any:
+        """Every call's way to the server: the sender runs the checks that are due, then sends
+        (tests wrap this to lose replies)."""
+        return self.sender.send(call)
 
     def _retrying(self, operation: str, action: Callable[[], T], sent: str = "fcall") -> T:
         """``action()``, resent after retryable errors until ``retry_s`` (from now) runs out.
@@ -253,12 +200,8 @@ class SignalBuffer(BufferBase):
                 return action()
             except RETRYABLE as exc:
                 return self._resend(operation, action, started, exc)
-        except ServerRefused as exc:
-            raise from_server(operation, exc, sent) from exc
-        except RedisClusterException as exc:
-            if not cut_by_deadline():
-                raise
-            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+        except FAILURES as exc:
+            raise_ours(operation, exc, self.config.retry_s, cut_by_deadline(), sent)
         finally:
             deadline.release(previous)
 
@@ -267,13 +210,12 @@ class SignalBuffer(BufferBase):
         call pays for no ``Attempts``. The budget counts from ``started``, the call's start."""
         attempts = Attempts(operation, self.config.retry_s, started)
         while True:
-            self._allowed.clear()  # the resend may reach another node, or a new connection
+            self.checks.forget()  # the resend may reach another node, or a new connection
             time.sleep(attempts.next_delay(error))
             try:
                 return action()
             except RETRYABLE as exc:
                 error = attempts.keep(error, exc)
-                self._server_unchecked = True  # a reconnect may reach another node
 
     def _execute(self, prepared: Prepared[T]) -> T:
         """Send a prepared call and parse its reply. The first send is made inline (no closure,
@@ -286,25 +228,17 @@ class SignalBuffer(BufferBase):
         started = time.monotonic()
         timer = time.perf_counter() if observer is not None else 0.0
         operation = prepared.operation
-        until = started + self.config.retry_s
         # Every socket operation of the call waits at most until its deadline (see deadline.py).
-        previous = deadline.bounded(until)
+        previous = deadline.bounded(started + self.config.retry_s)
         try:
             try:
                 if self.owed:  # within this call's deadline: a call's bound holds with finishes owed
                     self._settle(call.keys[0])
-                reply = self._send(operation, call, until)
+                reply = self._run_script(call)
             except RETRYABLE as exc:
-                self._server_unchecked = True  # a reconnect may reach another node
-                reply = self._resend(operation, partial(self._send, operation, call, until), started, exc)
-        except OutOfMemoryError as exc:
-            raise ServerOutOfMemory(operation, exc) from exc
-        except ServerRefused as exc:
-            raise from_server(operation, exc, "fcall") from exc
-        except RedisClusterException as exc:  # a slot map refresh the deadline cut short
-            if not cut_by_deadline():
-                raise
-            raise BufferUnavailable(operation, self.config.retry_s, exc) from exc
+                reply = self._resend(operation, partial(self._run_script, call), started, exc)
+        except FAILURES as exc:
+            raise_ours(operation, exc, self.config.retry_s, cut_by_deadline())
         finally:
             deadline.release(previous)
         result = prepared.parse(reply)
@@ -321,22 +255,3 @@ class SignalBuffer(BufferBase):
             except BaseException:  # unsent: owed still, whatever stopped it
                 self.owed.give_back(key, owed[index:])
                 raise
-
-    # -- replication option (wait_replicas): see replication.py --------------------------------
-
-    def _send(self, operation: str, call: ScriptCall, until: float) -> Any:
-        if self._server_unchecked:
-            self._check_server(call.keys[0])
-        if call.keys[0] not in self._allowed:
-            self._allow(operation, call)
-        if self.config.wait_replicas and operation in replication.WAITED_OPERATIONS:
-            wanted, timeout_ms = self.config.wait_replicas, self.config.wait_timeout_ms
-            return replication.run_and_wait(self.client, call, operation, wanted, timeout_ms, until)
-        return self._run_script(call)
-
-    def _allow(self, operation: str, call: ScriptCall) -> None:
-        """Check the rank's permissions before its first call (see ``permissions``)."""
-        failure = refused(operation, self._call_function(self.protocol.permissions(call)))
-        if failure is not None:
-            raise failure
-        self._allowed.add(call.keys[0])

@@ -32,6 +32,7 @@ from ..buffer.sync import SignalBuffer
 from ..protocol.counters import COUNTERS
 from ..protocol.replies import text
 from ..server import durability, eviction
+from ..server.checks import read_servers
 
 METRIC_PREFIX = "rls"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -234,7 +235,7 @@ class _CounterCollector(TrackedCollector[SignalBuffer]):
             with contextlib.suppress(Exception):  # best effort: the counters are exported anyway
                 servers.update(eviction.server_figures(buffer.client))
             with contextlib.suppress(Exception):
-                settings.update(durability.server_settings(buffer.client, buffer.config.wait_replicas))
+                settings.update(read_servers(buffer.client, buffer.config.wait_replicas)[1])
             for (instance, rank), (counters, pending) in ranks.items():
                 mismatch.add_metric([namespace, instance, str(rank)], unaccounted(counters, pending))
                 for field, value in counters.items():

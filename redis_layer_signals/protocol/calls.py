@@ -34,6 +34,7 @@ from .replies import (
     finish_result,
     record_result,
     recovery,
+    refused,
     register_result,
     split_reply,
 )
@@ -131,6 +132,16 @@ def pack_entries(batch: Sequence[tuple[Any, ...]]) -> tuple[str, str]:
         slots, tokens = zip(*batch, strict=True)
         return "%d," * len(slots) % slots, "%d,;" * len(tokens) % tokens
     return "".join([f"{e[0]}," for e in batch]), "".join([f"{tokens},{rid or ''};" for _, tokens, rid in batch])
+
+
+class PermissionCheck(Prepared[None]):
+    __slots__ = ()
+    call: ScriptCall
+
+    def parse(self, reply: Any) -> None:
+        failure = refused(self.operation, reply)
+        if failure is not None:
+            raise failure
 
 
 class _Record(Prepared[RecordResult]):
@@ -448,19 +459,20 @@ class Protocol:
     def sweep(self, keys: RankKeys) -> ScriptCall:
         return ScriptCall("sweep", [keys.pending, keys.expiry, keys.stats], [self._now(), self._sweep])
 
-    def permissions(self, call: ScriptCall) -> ScriptCall:
+    def permissions(self, call: ScriptCall) -> PermissionCheck:
         """The check of every command the rank's functions may run, on the keys of ``call``'s
-        rank (see ``lua/permissions.lua``): a refused one is found before anything is written."""
+        rank (see ``lua/permissions.lua``): a refused one is found before anything is written,
+        and its parse raises ``NoPermissionError`` naming the call's operation."""
         first = call.keys[0]
         if call.script == "group":
             tag = first[len(KEY_PREFIX) + 1 : first.index("}") + 1]
-            return ScriptCall("permissions", GroupKeys(tag, *call.keys).permission_keys, [])
-        owner = self.keys.owner(first)
-        assert owner is not None, first  # every call's keys are built here
-        keys = self.keys.rank(*owner)  # all of them: a call passes only the keys it touches
-        return ScriptCall(
-            "permissions", [keys.live, keys.pending, keys.expiry, keys.stats, keys.reply("check"), keys.ended], []
-        )
+            keys = GroupKeys(tag, *call.keys).permission_keys
+        else:
+            owner = self.keys.owner(first)
+            assert owner is not None, first  # every call's keys are built here
+            rank = self.keys.rank(*owner)  # all of them: a call passes only the keys it touches
+            keys = [rank.live, rank.pending, rank.expiry, rank.stats, rank.reply("check"), rank.ended]
+        return PermissionCheck(call.script, ScriptCall("permissions", keys, []))
 
     def slot_keys(self, instance: Any, rank: Any, slot: Any) -> RankKeys:
         keys = self.rank_keys(instance, rank, InvalidTask)

@@ -12,6 +12,7 @@ from dataclasses import fields
 from itertools import repeat
 from typing import Any
 
+from ..errors import NoPermissionError
 from ..models import (
     CacheTask,
     DropReason,
@@ -27,6 +28,16 @@ def text(value: Any) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def refused(operation: str, reply: Any) -> NoPermissionError | None:
+    """The error for ``rls_v2_permissions``' reply ("<command> <key>", the first command the
+    user may not run), or None when everything is allowed (``""``)."""
+    message = text(reply)
+    if not message:
+        return None
+    command, _, key = message.partition(" ")
+    return NoPermissionError(operation, command, f"on {key}" if key else "")
 
 
 def split_reply(reply: Any) -> tuple[str, int, str]:

@@ -30,7 +30,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from ..protocol.replies import text
-from .nodes import is_cluster, is_fake, label
+from .nodes import is_cluster
 
 logger = logging.getLogger("redis_layer_signals")
 
@@ -170,32 +170,6 @@ async def async_read_settings(client: Any, kind: str, wait_replicas: int, **targ
         except ResponseError:
             info = None
     return conclude(kind, wait_replicas, config, info)
-
-
-def server_settings(client: Any, wait_replicas: int, key: str | None = None) -> dict[str, dict[str, str]]:
-    """Every server's settings: one for a plain or Sentinel client, each primary of a Cluster,
-    or with ``key`` only the Cluster node that serves it (as ``eviction.server_policies``).
-    ``memory://`` lives and dies with its process: nothing to read."""
-    if is_fake(client):
-        return {}
-    kind = topology(client)
-    if kind == CLUSTER:
-        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
-        return {node.name: read_settings(client, kind, wait_replicas, target_nodes=node) for node in nodes}
-    return {label(client): read_settings(client, kind, wait_replicas)}
-
-
-async def async_server_settings(client: Any, wait_replicas: int, key: str | None = None) -> dict[str, dict[str, str]]:
-    """``server_settings`` on a redis.asyncio client."""
-    if is_fake(client):
-        return {}
-    kind = topology(client)
-    if kind == CLUSTER:
-        if not client.get_primaries():
-            await client.initialize()
-        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
-        return {node.name: await async_read_settings(client, kind, wait_replicas, target_nodes=node) for node in nodes}
-    return {label(client): await async_read_settings(client, kind, wait_replicas)}
 
 
 def at_risk(settings: Mapping[str, str]) -> dict[str, str]:

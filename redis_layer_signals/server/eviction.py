@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 from ..constants import REFUSE
 from ..errors import EvictingServer
 from ..protocol.replies import text
-from .nodes import is_cluster, is_fake, label
+from .nodes import is_fake, servers
 
 logger = logging.getLogger("redis_layer_signals")
 
@@ -85,30 +85,6 @@ async def async_read_policy(client: Any, **target: Any) -> str:
         return UNKNOWN
 
 
-def server_policies(client: Any, key: str | None = None) -> dict[str, str]:
-    """Every server's policy: one for a plain or Sentinel client, each primary of a Cluster, or
-    with ``key`` only the Cluster node that serves it (the recheck after a reconnect, which must
-    not wait on a primary that is cut off while the call's own node answers)."""
-    if is_fake(client):
-        return {"memory": SAFE_POLICY}
-    if is_cluster(client):
-        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
-        return {node.name: read_policy(client, target_nodes=node) for node in nodes}
-    return {label(client): read_policy(client)}
-
-
-async def async_server_policies(client: Any, key: str | None = None) -> dict[str, str]:
-    """``server_policies`` on a redis.asyncio client."""
-    if is_fake(client):
-        return {"memory": SAFE_POLICY}
-    if is_cluster(client):
-        if not client.get_primaries():
-            await client.initialize()
-        nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
-        return {node.name: await async_read_policy(client, target_nodes=node) for node in nodes}
-    return {label(client): await async_read_policy(client)}
-
-
 def evicting(policies: Mapping[str, str]) -> dict[str, str]:
     """The servers of ``policies`` that may evict keys."""
     return {server: policy for server, policy in policies.items() if policy not in (SAFE_POLICY, UNKNOWN)}
@@ -159,13 +135,8 @@ def server_figures(client: Any) -> dict[str, tuple[str, float | None]]:
     Servers that refuse INFO are left out."""
     if is_fake(client):
         return {"memory": (SAFE_POLICY, 0.0)}
-    targets: list[tuple[str, dict[str, Any]]]
-    if is_cluster(client):
-        targets = [(node.name, {"target_nodes": node}) for node in client.get_primaries()]
-    else:
-        targets = [(label(client), {})]
     figures = {}
-    for server, target in targets:
+    for server, target in servers(client):
         try:
             figures[server] = _figures(client.info("memory", "stats", **target))
         except ResponseError:

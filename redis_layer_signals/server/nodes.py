@@ -30,3 +30,12 @@ def label(client: Any) -> str:
     if "path" in kwargs:
         return f"unix:{kwargs['path']}"
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+def servers(client: Any, key: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(name, command options) of each server to read: the one of a plain or Sentinel client,
+    each primary of a Cluster, or with ``key`` only the Cluster node that serves it."""
+    if not is_cluster(client):
+        return [(label(client), {})]
+    nodes = client.get_primaries() if key is None else [client.get_node_from_key(key)]
+    return [(node.name, {"target_nodes": node}) for node in nodes]

@@ -26,8 +26,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Awaitable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as async_timeout
@@ -43,7 +44,10 @@ __all__ = [
     "release",
     "remaining",
     "with_deadline",
+    "within_call",
 ]
+
+T = TypeVar("T")
 
 MARGIN_S = 0.25
 """How long past ``retry_s`` a call may take to return or raise, whatever the network does."""
@@ -72,6 +76,17 @@ def remaining() -> float | None:
     """Seconds left to this thread's deadline (negative once passed), None without one."""
     deadline: float | None = getattr(_local, "deadline", None)
     return None if deadline is None else deadline - time.monotonic()
+
+
+async def within_call(step: Awaitable[T]) -> T:
+    """``step`` within the async call's deadline (``call_deadline``), when one is set: the
+    direct path times its own reads, not what a call sends through the client itself (a
+    server check, loading the library, the permission check, WAIT, a resend's reconnect)."""
+    ends = call_deadline.get()
+    if ends is None:
+        return await step
+    async with async_timeout(ends - time.monotonic()):
+        return await step
 
 
 SLACK_S = 0.01

@@ -8,6 +8,9 @@ than asked raise ``NotReplicated``, which the buffer's retry loop treats like a 
 reply: it resends the same call (the function replays its stored reply, a write that WAIT then
 covers) until the replicas confirm or ``retry_s`` runs out (``BufferUnavailable``).
 
+The buffer's sender is wrapped in a ``senders.WaitingSender`` when ``wait_replicas`` is set:
+the waited calls take the pipeline, the others the sender's own path.
+
 On Redis Cluster the pipeline goes to the node that owns the call's hash slot, on the path
 every function call of the buffer takes there (``routing.on_key_node``): a ``MOVED`` patches the
 slot table and retries, an ``ASK`` is followed once with ``ASKING``, and a node that does not
@@ -77,15 +80,15 @@ def _pipelined(
 
 
 def run_and_wait(
-    client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int, deadline: float | None = None
+    client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int, until: float | None = None
 ) -> Any:
     """One function call followed by ``WAIT`` on the same connection, reading for at most
-    until ``deadline`` (a ``time.monotonic()`` reading); see the module docstring."""
+    until ``until`` (a ``time.monotonic()`` reading); see the module docstring."""
     if not is_cluster(client):
-        return _run_on(client, call, operation, wanted, timeout_ms, False, deadline)
+        return _run_on(client, call, operation, wanted, timeout_ms, False, until)
 
     def on_node(node_client: Any, asking: bool) -> Any:
-        return _run_on(node_client, call, operation, wanted, timeout_ms, asking, deadline)
+        return _run_on(node_client, call, operation, wanted, timeout_ms, asking, until)
 
     return routing.on_key_node(client, call.keys[0], operation, on_node)
 
