@@ -34,7 +34,6 @@ import json
 import multiprocessing
 import os
 import queue
-import socket
 import statistics
 import threading
 import time
@@ -50,6 +49,7 @@ from ..buffer import SignalBuffer
 from ..fastdeploy.bridge import Layer0Bridge
 from ..fastdeploy.signals import KvSignal, encode_kv_signal
 from .machine import describe
+from .relay import DelayRelay
 from .runner import default_out
 from .server import REDIS_SERVER, LocalRedis
 
@@ -105,62 +105,8 @@ class FastDeployDict:
             self.pending.pop(slot, None)
 
 
-class DelayingProxy:
-    """A TCP proxy on loopback that holds every chunk ``delay_s`` before passing it on, both
-    ways: a link with that one-way latency."""
-
-    def __init__(self, target_port: int, delay_s: float) -> None:
-        self.target_port = target_port
-        self.delay_s = delay_s
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self._closed = threading.Event()
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            self._sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                held: queue.Queue[tuple[float, bytes]] = queue.Queue()
-                threading.Thread(target=self._read, args=(source, held), daemon=True).start()
-                threading.Thread(target=self._write, args=(sink, held), daemon=True).start()
-
-    def _read(self, source: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                held.put((time.monotonic() + self.delay_s, data))
-        held.put((0.0, b""))
-
-    def _write(self, sink: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                due, data = held.get()
-                if not data:
-                    sink.shutdown(socket.SHUT_WR)
-                    return
-                time.sleep(max(0.0, due - time.monotonic()))
-                sink.sendall(data)
-
-    def close(self) -> None:
-        self._closed.set()
-        self.listener.close()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-
 class ProxyProcess:
-    """A ``DelayingProxy`` in a process of its own: its four threads never hold the benchmark's
+    """A ``DelayRelay`` in a process of its own: its four threads never hold the benchmark's
     interpreter lock (a link's delay is in the network, not in the process it slows)."""
 
     def __init__(self, target_port: int, delay_s: float) -> None:
@@ -183,7 +129,7 @@ class ProxyProcess:
 
 
 def _serve_proxy(target_port: int, delay_s: float, report: Any) -> None:
-    proxy = DelayingProxy(target_port, delay_s)
+    proxy = DelayRelay.on_loopback(target_port, delay_s)
     report.send(proxy.port)
     threading.Event().wait()  # until terminated
 

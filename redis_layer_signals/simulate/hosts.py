@@ -25,20 +25,20 @@ Making them needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); without it ``Hosts`` r
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import os
-import queue
 import re
 import shutil
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
+
+from ..bench.relay import DelayRelay
 
 PREFIX = "rls-"
 SUBNET = "10.213.0"
@@ -214,7 +214,10 @@ class Hosts:
         client's new connections through a relay there that holds each chunk ``delay_ms``
         before passing it on, in both directions. ``heal`` removes the redirect and closes
         the relayed connections (the client reconnects, straight to the server)."""
-        relay = DelayRelay(self, server, port, delay_ms / 1000)
+        address = self.address(server)
+        listener = self.run(server, socket.create_server, (address, 0))
+        # Its threads, and the sockets they make, stay on the server's host.
+        relay = DelayRelay(listener, (address, port), delay_ms / 1000, start=partial(self.thread, server))
         self._relays.append(relay)
         nft = ("ip", "netns", "exec", self.namespace(server), "nft")
         _sh(*nft, "add", "table", "ip", NAT_TABLE)
@@ -261,68 +264,3 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
-
-
-class DelayRelay:
-    """A TCP relay on ``host`` (see ``Hosts.delay``): each chunk read from one side is
-    written to the other ``delay_s`` later, in order."""
-
-    def __init__(self, hosts: Hosts, host: str, target_port: int, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self.target = (hosts.address(host), target_port)
-        self.closed = threading.Event()
-        self._sockets: list[socket.socket] = []
-        self.listener = hosts.run(host, socket.create_server, (hosts.address(host), 0))
-        self.listener.settimeout(0.2)
-        self.port = int(self.listener.getsockname()[1])
-        hosts.thread(host, self._accept)  # its threads, and the sockets they make, stay on the host
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                inbound, _ = self.listener.accept()
-            except OSError:
-                continue
-            try:
-                outbound = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                inbound.close()
-                continue
-            outbound.settimeout(None)
-            self._sockets += [inbound, outbound]
-            for src, dst in ((inbound, outbound), (outbound, inbound)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
-
-        def write() -> None:
-            while True:
-                due, data = chunks.get()
-                if not data:
-                    break
-                time.sleep(max(0.0, due - time.monotonic()))
-                try:
-                    dst.sendall(data)
-                except OSError:
-                    break
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)
-
-        threading.Thread(target=write, daemon=True).start()
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                data = b""
-            chunks.put((time.monotonic() + self.delay_s, data))
-            if not data:
-                return
-
-    def close(self) -> None:
-        self.closed.set()
-        for sock in [self.listener, *self._sockets]:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the threads blocked reading it
-            with contextlib.suppress(OSError):
-                sock.close()
