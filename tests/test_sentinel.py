@@ -18,7 +18,7 @@ from redis_layer_signals.config import BufferConfig
 from redis_layer_signals.ops import acl
 from redis_layer_signals.transport import wire
 from redis_layer_signals.transport.replication import NotReplicated
-from tests.servers import RedisServer
+from tests.servers import RedisServer, wait_until
 from tests.topology import SentinelTopology
 
 CALL_BOUND_S = 30.0
@@ -204,7 +204,15 @@ async def test_sentinel_failover_kept_connection_asks_the_sentinels_again(
     abuf = AsyncSignalBuffer.from_url(group.url, namespace=namespace, env={}, retry_s=10)
     try:
         await abuf.record("p0", 0, 0, [(5, 100)])
-        assert await abuf.client.wait(1, 2000) == 1  # the replica holds it before the failover
+        # The replica holds the signal before the failover (read from it: a WAIT on another
+        # connection than the write's would count nothing, and would ask the sentinels, which a
+        # loaded machine can catch flagging the primary down for a moment).
+        replica = group.current_replica()
+
+        def held() -> bool:
+            return layers_on(replica, namespace) == [(0, 100)]
+
+        await asyncio.to_thread(wait_until, held, timeout=15, what="the replica holding the signal")
         direct = abuf.sender.direct
         assert isinstance(direct, wire.AsyncDirectCalls)
         assert direct._idle, "the buffer keeps a connection to the old primary"
