@@ -104,6 +104,9 @@ class LibraryMissing(SignalBufferError):
     """The library went missing again between loading it and resending the call (a
     ``FUNCTION FLUSH`` or a failover in between): the call never ran, and is resent (retryable)."""
 
+    def __init__(self, called: str) -> None:
+        super().__init__(f"{called}: the library went missing again after loading it")
+
 
 def function_missing(error: BaseException) -> bool:
     """Whether ``error`` is a server's answer that our function is not loaded."""

@@ -80,15 +80,15 @@ def _pipelined(
 
 
 def run_and_wait(
-    client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int, until: float | None = None
+    client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int, deadline: float | None = None
 ) -> Any:
     """One function call followed by ``WAIT`` on the same connection, reading for at most
-    until ``until`` (a ``time.monotonic()`` reading); see the module docstring."""
+    until ``deadline`` (a ``time.monotonic()`` reading); see the module docstring."""
     if not is_cluster(client):
-        return _run_on(client, call, operation, wanted, timeout_ms, False, until)
+        return _run_on(client, call, operation, wanted, timeout_ms, False, deadline)
 
     def on_node(node_client: Any, asking: bool) -> Any:
-        return _run_on(node_client, call, operation, wanted, timeout_ms, asking, until)
+        return _run_on(node_client, call, operation, wanted, timeout_ms, asking, deadline)
 
     return routing.on_key_node(client, call.keys[0], operation, on_node)
 
@@ -108,7 +108,7 @@ def _missing_again(operation: str, results: list[Any]) -> None:
     """The library went missing between its load and the resend: nothing ran, retry (as the
     direct path does)."""
     if function_missing(results[-2]):
-        raise LibraryMissing(f"{operation}: the library went missing again after loading it") from results[-2]
+        raise LibraryMissing(operation) from results[-2]
 
 
 async def async_run_and_wait(client: Any, call: ScriptCall, operation: str, wanted: int, timeout_ms: int) -> Any:

@@ -36,7 +36,9 @@ T = TypeVar("T")
 
 
 class Sender(Protocol):
-    direct: wire.DirectCalls | None
+    @property
+    def direct(self) -> wire.DirectCalls | None:
+        """The kept connections calls are written on, or None for the client's own path."""
 
     def send(self, call: ScriptCall) -> Any: ...
 
@@ -46,7 +48,8 @@ class Sender(Protocol):
 
 
 class AsyncSender(Protocol):
-    direct: wire.AsyncDirectCalls | None
+    @property
+    def direct(self) -> wire.AsyncDirectCalls | None: ...
 
     async def send(self, call: ScriptCall) -> Any: ...
 
@@ -83,11 +86,6 @@ def async_sender_for(
     return sender
 
 
-def _missing_again(function: str) -> LibraryMissing:
-    """The library went missing between its load and the resend: nothing ran (retryable)."""
-    return LibraryMissing(f"{function}: the library went missing again after loading it")
-
-
 def _with_library(send: Callable[[], T], node: Any, function: str) -> T:
     """``send()``; after "Function not found", the library loaded on ``node`` and ``send()`` again."""
     try:
@@ -100,7 +98,7 @@ def _with_library(send: Callable[[], T], node: Any, function: str) -> T:
         return send()
     except ResponseError as exc:
         if function_missing(exc):
-            raise _missing_again(function) from exc
+            raise LibraryMissing(function) from exc
         raise
 
 
@@ -118,7 +116,7 @@ async def _async_with_library(
         return await send()
     except ResponseError as exc:
         if function_missing(exc):
-            raise _missing_again(function) from exc
+            raise LibraryMissing(function) from exc
         raise
 
 
@@ -154,17 +152,19 @@ class ClientSender:
 
 
 class DirectSender(ClientSender):
+    direct: wire.DirectCalls
+
     def __init__(self, client: Any, checks: ServerChecks, direct: wire.DirectCalls) -> None:
         super().__init__(client, checks)
-        self.direct = self.calls = direct
+        self.direct = direct
 
     def run(self, call: ScriptCall) -> Any:
         function = FUNCTIONS[call.script]
-        run = partial(self.calls.run, wire.fcall(function, call.keys, call.args))
+        run = partial(self.direct.run, wire.fcall(function, call.keys, call.args))
         return _with_library(run, self.client, function)
 
     def close(self) -> None:
-        self.calls.close()
+        self.direct.close()
 
 
 class ClusterSender(ClientSender):
@@ -208,17 +208,19 @@ class AsyncClientSender:
 
 
 class AsyncDirectSender(AsyncClientSender):
+    direct: wire.AsyncDirectCalls
+
     def __init__(self, client: Any, checks: ServerChecks, direct: wire.AsyncDirectCalls) -> None:
         super().__init__(client, checks)
-        self.direct = self.calls = direct
+        self.direct = direct
 
     async def run(self, call: ScriptCall) -> Any:
         function = FUNCTIONS[call.script]
-        run = partial(self.calls.run, wire.fcall(function, call.keys, call.args))
+        run = partial(self.direct.run, wire.fcall(function, call.keys, call.args))
         return await _async_with_library(run, partial(async_ensure_library, self.client), function)
 
     async def close(self) -> None:
-        await self.calls.close()
+        await self.direct.close()
 
 
 class AsyncClusterSender(AsyncClientSender):
