@@ -26,6 +26,9 @@ from .owed import OwedFinish
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
+RESEND_LEAD_S = 0.01
+"""The resend loop ends this long before the call's deadline, with the last error it met."""
+
 
 def whole_call(method: F) -> F:
     """Bound a read of several round trips by one timeout, ``retry_s`` (see ``deadline``)."""
@@ -158,15 +161,23 @@ class AsyncSignalBuffer(BufferBase):
     async def _resend(
         self, operation: str, action: Callable[[], Awaitable[T]], started: float, error: BaseException
     ) -> T:
-        """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend)."""
+        """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend).
+
+        It stops itself just before the call's own timeout would, so that ``BufferUnavailable``
+        carries the last error (a refused connection, a TLS handshake that did not complete)
+        instead of that timeout, which says nothing."""
         attempts = Attempts(operation, self.config.retry_s, started)
-        while True:
-            self.checks.forget()  # the resend may reach another node, or a new connection
-            await asyncio.sleep(attempts.next_delay(error))
-            try:
-                return await action()
-            except RETRYABLE as exc:
-                error = attempts.keep(error, exc)
+        try:
+            async with async_timeout(max(0.0, attempts.deadline - RESEND_LEAD_S - time.monotonic())):
+                while True:
+                    self.checks.forget()  # the resend may reach another node, or a new connection
+                    await asyncio.sleep(attempts.next_delay(error))
+                    try:
+                        return await action()
+                    except RETRYABLE as exc:
+                        error = attempts.keep(error, exc)
+        except asyncio.TimeoutError:
+            raise BufferUnavailable(operation, self.config.retry_s, error) from error
 
     async def _execute(self, prepared: Prepared[T]) -> T:
         """Send once inline, resend only after a retryable error (see SignalBuffer._execute)."""
