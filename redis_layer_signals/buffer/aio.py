@@ -18,16 +18,13 @@ from ..server import checks
 from ..server.checks import ServerChecks
 from ..server.durability import ServerPolicies
 from ..transport import connection, senders
-from ..transport.deadline import async_timeout, call_deadline, within_call
+from ..transport.deadline import BACKSTOP_S, async_timeout, call_deadline, within_call
 from ..transport.retry import RETRYABLE, Attempts
 from .base import BufferBase
 from .owed import OwedFinish
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-RESEND_LEAD_S = 0.01
-"""The resend loop ends this long before the call's deadline, with the last error it met."""
 
 
 def whole_call(method: F) -> F:
@@ -150,7 +147,7 @@ class AsyncSignalBuffer(BufferBase):
         ``sent`` names the command for a refused key (see SignalBuffer._retrying)."""
         started = time.monotonic()
         try:
-            async with async_timeout(self.config.retry_s):
+            async with async_timeout(self.config.retry_s + BACKSTOP_S):
                 try:
                     return await action()
                 except RETRYABLE as exc:
@@ -163,12 +160,12 @@ class AsyncSignalBuffer(BufferBase):
     ) -> T:
         """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend).
 
-        It stops itself just before the call's own timeout would, so that ``BufferUnavailable``
-        carries the last error (a refused connection, a TLS handshake that did not complete)
-        instead of that timeout, which says nothing."""
+        It stops itself at ``retry_s``, before the timeouts around the call (``BACKSTOP_S``
+        later), so that ``BufferUnavailable`` carries the last error it met (a refused
+        connection, a TLS handshake that did not complete), not a timeout that says nothing."""
         attempts = Attempts(operation, self.config.retry_s, started)
         try:
-            async with async_timeout(max(0.0, attempts.deadline - RESEND_LEAD_S - time.monotonic())):
+            async with async_timeout(max(0.0, attempts.deadline - time.monotonic())):
                 while True:
                     self.checks.forget()  # the resend may reach another node, or a new connection
                     await asyncio.sleep(attempts.next_delay(error))
@@ -190,7 +187,7 @@ class AsyncSignalBuffer(BufferBase):
         operation = prepared.operation
         # The call's deadline: a plain client reads each reply within it; the others get one
         # timeout over the whole call, resends included (see deadline.py).
-        token = call_deadline.set(started + self.config.retry_s)
+        token = call_deadline.set(started + self.config.retry_s + BACKSTOP_S)
         try:
             if self.owed:  # within this call's time: a call's bound holds with finishes owed
                 async with async_timeout(self.config.retry_s):
@@ -198,7 +195,7 @@ class AsyncSignalBuffer(BufferBase):
             if self.sender.direct is not None:
                 reply = await self._attempts(operation, call, started)
             else:
-                async with async_timeout(started + self.config.retry_s - time.monotonic()):
+                async with async_timeout(started + self.config.retry_s + BACKSTOP_S - time.monotonic()):
                     reply = await self._attempts(operation, call, started)
         except ASYNC_FAILURES as exc:
             raise_ours(operation, exc, self.config.retry_s, False)

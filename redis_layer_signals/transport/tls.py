@@ -19,13 +19,13 @@ from typing import Any
 
 from redis.exceptions import ConnectionError
 
-from .deadline import call_deadline
+from .deadline import BACKSTOP_S, call_deadline
 
 PLAIN_SERVER_HINT = "is the server started with TLS (tls-port)? use redis:// for a plain server"
 
-CONNECT_LEAD_S = 0.02
-"""An async TLS connect ends this long before its call's deadline, so that the call ends with
-this module's error rather than its own timeout, which says nothing."""
+CONNECT_LEAD_S = BACKSTOP_S + 0.02
+"""An async TLS connect ends this long before its call's deadline (``call_deadline``, which is
+``BACKSTOP_S`` past the resend loop's end), so that the loop ends with this module's error."""
 
 _classes: dict[type[Any], type[Any]] = {}
 
