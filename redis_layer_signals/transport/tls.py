@@ -13,6 +13,7 @@ already names the certificate.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import ssl
 import time
 from typing import Any
@@ -61,7 +62,7 @@ def hinting(connection_class: type[Any]) -> type[Any]:
     cached = _classes.get(connection_class)
     if cached is not None:
         return cached
-    if asyncio.iscoroutinefunction(connection_class._connect):
+    if inspect.iscoroutinefunction(connection_class._connect):
 
         async def _connect(self: Any) -> Any:
             ends = call_deadline.get()
