@@ -23,6 +23,7 @@ from .constants import (
     ENV_PREFIX,
     EVICTION_MODES,
     MAX_INT,
+    MAX_SLOTS_LIMIT,
 )
 from .errors import InvalidConfig
 
@@ -53,7 +54,7 @@ class BufferConfig:
         validation.positive_seconds(self.pending_ttl_s, "pending_ttl_s")
         validation.positive_seconds(self.task_ttl_s, "task_ttl_s")
         validation.positive_seconds(self.retry_s, "retry_s")
-        validation.integer(self.max_slots, "max_slots", InvalidConfig, 1, 65536)
+        validation.integer(self.max_slots, "max_slots", InvalidConfig, 1, MAX_SLOTS_LIMIT + 1)
         validation.integer(self.wait_replicas, "wait_replicas", InvalidConfig, 0, 65536)
         validation.integer(self.wait_timeout_ms, "wait_timeout_ms", InvalidConfig, 1, 2**31)
         validation.integer(self.max_layers, "max_layers", InvalidConfig, 1, MAX_INT)

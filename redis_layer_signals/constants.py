@@ -28,6 +28,8 @@ the metric) or ``refuse`` (raise EvictingServer). See docs/operations/redis-sett
 MAX_BATCH = 512
 """Entries accepted by one ``record`` call: one function call, bounded work."""
 MAX_RANK = 65535
+MAX_SLOTS_LIMIT = 65535
+"""The largest ``max_slots`` a buffer accepts: a slot is below it whatever the buffer."""
 MAX_INT = 2**53
 """Layers, tokens and need_prefill_tokens are ints below this (exact in Lua's doubles)."""
 IDENTIFIER_PATTERN = r"[A-Za-z0-9._-]{1,128}"

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
+
+from . import validation
+
+Check = TypeVar("Check", bound=Callable[..., None])
+
+
+def only_checks(check: Check) -> Check:
+    """Marks a ``__post_init__`` that checks the fields and sets nothing: the library may
+    build an instance from values it checked already without calling it (see
+    ``protocol.replies``: a record call builds one signal per entry)."""
+    check.only_checks = True  # type: ignore[attr-defined]
+    return check
 
 
 class DropReason(str, Enum):
@@ -18,7 +32,13 @@ class DropReason(str, Enum):
 
 @dataclass(frozen=True)
 class LayerSignal:
-    """'On engine slot ``slot``, layer ``layer`` is written up to ``tokens`` tokens.'"""
+    """'On engine slot ``slot``, layer ``layer`` is written up to ``tokens`` tokens.'
+
+    Checked when built (``InvalidSignal`` naming the field and value): identifiers match
+    ``[A-Za-z0-9._-]{1,128}``, ``rank`` is in ``[0, 65535]``, ``slot`` below 65535 (the
+    largest ``max_slots``), ``layer``, ``tokens`` and ``recorded_at_ms`` in ``[0, 2**53)``.
+    A signal of 0 tokens is valid: FastDeploy's in-process fix keeps it too, and ``register``
+    drops it as ``non_positive`` (counted), so it is accounted for like any other."""
 
     instance: str
     rank: int
@@ -28,10 +48,21 @@ class LayerSignal:
     request_id: str | None
     recorded_at_ms: int
 
+    @only_checks
+    def __post_init__(self) -> None:
+        validation.signal_fields(self)
+
 
 @dataclass(frozen=True)
 class CacheTask:
-    """Which request holds a slot and how many tokens it needs; the other half of the handoff."""
+    """Which request holds a slot and how many tokens it needs; the other half of the handoff.
+
+    Checked when built (``InvalidTask`` naming the field and value), so a malformed task
+    fails where it is made, not at ``register``: identifiers match ``[A-Za-z0-9._-]{1,128}``,
+    ``rank`` is in ``[0, 65535]``, ``slot`` below 65535 (the largest ``max_slots``),
+    ``need_prefill_tokens`` and ``decode_cached_tokens`` in ``[0, 2**53)``, ``num_layers``
+    at least 1, ``meta`` maps str to str. ``register`` then checks what depends on the
+    buffer: ``slot`` below its ``max_slots``, ``num_layers`` at most its ``max_layers``."""
 
     instance: str
     rank: int
@@ -41,6 +72,10 @@ class CacheTask:
     num_layers: int
     decode_cached_tokens: int = 0
     meta: dict[str, str] = field(default_factory=dict)
+
+    @only_checks
+    def __post_init__(self) -> None:
+        validation.task_fields(self)
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from redis_layer_signals import (
     CacheTask,
+    DropReason,
     InvalidConfig,
     InvalidSignal,
     InvalidTask,
+    LayerSignal,
     SignalBuffer,
 )
 from redis_layer_signals.config import BufferConfig
+from redis_layer_signals.constants import IDENTIFIER_PATTERN
 from redis_layer_signals.protocol.keys import KeySpace
 
 
@@ -106,7 +112,7 @@ def test_hostile_identifiers_cannot_reach_a_key(buf: SignalBuffer, name: str) ->
         lambda: buf.register(good_task(request_id=name)),
         lambda: buf.finish(name, 0, 1, "r"),
     ):
-        with pytest.raises(ValueError, match=r"must match"):
+        with pytest.raises(ValueError, match=r"must be a string matching"):
             call()
     assert keys_now(buf) <= before
 
@@ -204,3 +210,164 @@ def test_intenum_layer_never_writes_field_named_after_the_enum(buf: SignalBuffer
     assert [(s.slot, s.layer, s.tokens) for s in result.buffered] == [(2, 2, 100)]
     pending = buf.client.hgetall(KeySpace(buf.config.namespace).rank("p0", 2).pending)
     assert pending and all(b"Layer" not in field and b"Layer" not in value for field, value in pending.items())
+
+
+# -- one message per bound, checked where the value is made ----------------------------------
+
+
+@pytest.mark.parametrize("layer", [-1, 1024, 1_000_000, 2**53])
+def test_layer_out_of_range_names_the_one_true_range(buf: SignalBuffer, layer: int) -> None:
+    """``layer=-1`` was told ``[0, 9007199254740992)`` while ``layer=1000000`` was told
+    ``below max_layers=1024``: two bounds for one field. Both now get the range that holds."""
+    with pytest.raises(InvalidSignal) as err:
+        buf.record("p0", 0, layer, [(1, 1)])
+    assert str(err.value) == f"invalid signal field layer={layer}: must be in [0, 1024) (max_layers)"
+
+
+def test_layer_of_the_wrong_type_is_told_the_type_and_the_range(buf: SignalBuffer) -> None:
+    with pytest.raises(InvalidSignal) as err:
+        buf.record("p0", 0, "3", [(1, 1)])  # type: ignore[arg-type]
+    assert str(err.value) == "invalid signal field layer='3': must be an int in [0, 1024) (max_layers), not str"
+
+
+def test_num_layers_and_slot_name_the_option_that_bounds_them(buf: SignalBuffer) -> None:
+    with pytest.raises(InvalidTask, match=r"num_layers=1025: must be in \[1, 1024\] \(max_layers\)$"):
+        buf.register(good_task(num_layers=1025))
+    with pytest.raises(InvalidTask, match=r"slot=512: must be in \[0, 512\) \(max_slots\)$"):
+        buf.register(good_task(slot=512))
+    with pytest.raises(InvalidSignal, match=r"entries\[0\]\.slot=-1: must be in \[0, 512\) \(max_slots\)$"):
+        buf.record("p0", 0, 0, [(-1, 1)])
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "field"),
+    [
+        (lambda b: b.finish("p0", 0, 1, 1), InvalidTask, "request_id"),
+        (lambda b: b.record("p0", 0, 0, [(1, 1, 7)]), InvalidSignal, "entries[0].request_id"),
+        (lambda b: b.register(good_task(request_id=1)), InvalidTask, "request_id"),
+        (lambda b: b.record(5, 0, 0, [(1, 1)]), InvalidSignal, "instance"),
+    ],
+    ids=["finish", "record entry", "task", "instance"],
+)
+def test_integer_request_id_is_told_it_must_be_a_string(
+    buf: SignalBuffer, call: Callable[[SignalBuffer], object], error: type[Exception], field: str
+) -> None:
+    with pytest.raises(error) as err:
+        call(buf)
+    assert err.value.field == field  # type: ignore[attr-defined]
+    assert str(err.value).endswith(": must be a string matching [A-Za-z0-9._-]{1,128}, not int")
+
+
+def test_cache_task_with_string_rank_and_slot_fails_where_it_is_built() -> None:
+    """``CacheTask(rank="0", slot="5")`` was built, and refused only at ``register``."""
+    with pytest.raises(InvalidTask) as err:
+        CacheTask(instance="p0", rank="0", slot="5", request_id="r", need_prefill_tokens=1, num_layers=1)  # type: ignore[arg-type]
+    assert (err.value.field, err.value.value) == ("rank", "0")
+    assert str(err.value) == "invalid task field rank='0': must be an int in [0, 65536), not str"
+    with pytest.raises(InvalidTask, match=r"slot='5': must be an int in \[0, 65535\)"):
+        good_task(slot="5")
+
+
+def test_layer_signal_with_a_bad_field_fails_where_it_is_built() -> None:
+    with pytest.raises(InvalidSignal) as err:
+        LayerSignal("p0", 0, 5, -1, 10, None, 0)
+    assert str(err.value) == "invalid signal field layer=-1: must be in [0, 2**53)"
+    with pytest.raises(InvalidSignal, match=r"request_id=b'r': must be a string matching"):
+        LayerSignal("p0", 0, 5, 0, 10, b"r", 0)  # type: ignore[arg-type]
+
+
+def test_zero_token_signal_is_kept_and_dropped_as_non_positive_at_register(buf: SignalBuffer) -> None:
+    """tokens=0 is accepted on purpose (FastDeploy keeps it and drops it at registration; a
+    GPU batch is never refused for one entry): it ends in exactly one place, a counted drop."""
+    assert [s.tokens for s in buf.record("p0", 0, 0, [(5, 0)]).buffered] == [0]
+    result = buf.register(good_task())
+    assert result.recovered == [] and [(s.tokens, why) for s, why in result.dropped] == [(0, DropReason.NON_POSITIVE)]
+    assert buf.stats()["dropped_non_positive"] == 1
+
+
+# -- every bad value of every field: the right error, the field and value named ---------------
+
+_NOT_INT = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=False), st.text(max_size=3), st.binary(max_size=3))
+_NOT_IDENTIFIER = st.one_of(
+    st.none(),
+    st.integers(),
+    st.binary(max_size=3),
+    st.text(max_size=130).filter(lambda text: re.fullmatch(IDENTIFIER_PATTERN, text) is None),
+)
+
+
+def _ints_outside(low: int, high: int) -> st.SearchStrategy[Any]:
+    return st.one_of(_NOT_INT, st.integers(max_value=low - 1), st.integers(min_value=high))
+
+
+TASK_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "instance": _NOT_IDENTIFIER,
+    "rank": _ints_outside(0, 65536),
+    "slot": _ints_outside(0, 65535),
+    "request_id": _NOT_IDENTIFIER,
+    "need_prefill_tokens": _ints_outside(0, 2**53),
+    "num_layers": _ints_outside(1, 2**53),
+    "decode_cached_tokens": _ints_outside(0, 2**53),
+}
+SIGNAL_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "instance": _NOT_IDENTIFIER,
+    "rank": _ints_outside(0, 65536),
+    "slot": _ints_outside(0, 65535),
+    "layer": _ints_outside(0, 2**53),
+    "tokens": _ints_outside(0, 2**53),
+    "request_id": _NOT_IDENTIFIER.filter(lambda value: value is not None),
+    "recorded_at_ms": _ints_outside(0, 2**53),
+}
+
+
+@given(data=st.data(), field=st.sampled_from(sorted(TASK_FIELDS)))
+def test_any_bad_cache_task_field_raises_invalid_task_naming_it(data: st.DataObject, field: str) -> None:
+    value = data.draw(TASK_FIELDS[field], label=field)
+    with pytest.raises(InvalidTask) as err:
+        good_task(**{field: value})
+    assert (err.value.field, err.value.value) == (field, value)
+    assert f"field {field}={value!r}: must be " in str(err.value)
+
+
+@given(data=st.data(), field=st.sampled_from(sorted(SIGNAL_FIELDS)))
+def test_any_bad_layer_signal_field_raises_invalid_signal_naming_it(data: st.DataObject, field: str) -> None:
+    fields: dict[str, Any] = dict(instance="p0", rank=0, slot=5, layer=0, tokens=10, request_id=None, recorded_at_ms=0)
+    fields[field] = value = data.draw(SIGNAL_FIELDS[field], label=field)
+    with pytest.raises(InvalidSignal) as err:
+        LayerSignal(**fields)
+    assert (err.value.field, err.value.value) == (field, value)
+    assert f"field {field}={value!r}: must be " in str(err.value)
+
+
+RECORD_ARGS: dict[str, st.SearchStrategy[Any]] = {
+    "instance": _NOT_IDENTIFIER,
+    "rank": _ints_outside(0, 65536),
+    "layer": _ints_outside(0, 1024),
+    "entries[0].slot": _ints_outside(0, 512),
+    "entries[0].tokens": _ints_outside(0, 2**53),
+    "entries[0].request_id": _NOT_IDENTIFIER.filter(lambda value: value is not None),
+}
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), field=st.sampled_from(sorted(RECORD_ARGS)))
+def test_any_bad_record_argument_is_refused_before_redis(buf: SignalBuffer, data: st.DataObject, field: str) -> None:
+    value = data.draw(RECORD_ARGS[field], label=field)
+    call: dict[str, Any] = {"instance": "p0", "rank": 0, "layer": 0}
+    entry: list[Any] = [1, 10, "req-1"]
+    if field.startswith("entries"):
+        entry[["entries[0].slot", "entries[0].tokens", "entries[0].request_id"].index(field)] = value
+    else:
+        call[field] = value
+    before = keys_now(buf)
+    sent: list[object] = []
+    original = buf._run_script
+    buf._run_script = lambda c: sent.append(c) or original(c)  # type: ignore[method-assign]
+    try:
+        with pytest.raises(InvalidSignal) as err:
+            buf.record(call["instance"], call["rank"], call["layer"], [tuple(entry)])
+    finally:
+        buf._run_script = original  # type: ignore[method-assign]
+    assert (err.value.field, err.value.value) == (field, value)
+    assert f"field {field}={value!r}: must be " in str(err.value)
+    assert sent == [] and keys_now(buf) <= before

@@ -18,7 +18,7 @@ from ..server import checks
 from ..server.checks import ServerChecks
 from ..server.durability import ServerPolicies
 from ..transport import connection, senders
-from ..transport.deadline import async_timeout, call_deadline, within_call
+from ..transport.deadline import BACKSTOP_S, async_timeout, call_deadline, within_call
 from ..transport.retry import RETRYABLE, Attempts
 from .base import BufferBase
 from .owed import OwedFinish
@@ -147,7 +147,7 @@ class AsyncSignalBuffer(BufferBase):
         ``sent`` names the command for a refused key (see SignalBuffer._retrying)."""
         started = time.monotonic()
         try:
-            async with async_timeout(self.config.retry_s):
+            async with async_timeout(self.config.retry_s + BACKSTOP_S):
                 try:
                     return await action()
                 except RETRYABLE as exc:
@@ -158,15 +158,23 @@ class AsyncSignalBuffer(BufferBase):
     async def _resend(
         self, operation: str, action: Callable[[], Awaitable[T]], started: float, error: BaseException
     ) -> T:
-        """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend)."""
+        """The retry loop, entered only after a first attempt failed (see SignalBuffer._resend).
+
+        It stops itself at ``retry_s``, before the timeouts around the call (``BACKSTOP_S``
+        later), so that ``BufferUnavailable`` carries the last error it met (a refused
+        connection, a TLS handshake that did not complete), not a timeout that says nothing."""
         attempts = Attempts(operation, self.config.retry_s, started)
-        while True:
-            self.checks.forget()  # the resend may reach another node, or a new connection
-            await asyncio.sleep(attempts.next_delay(error))
-            try:
-                return await action()
-            except RETRYABLE as exc:
-                error = attempts.keep(error, exc)
+        try:
+            async with async_timeout(max(0.0, attempts.deadline - time.monotonic())):
+                while True:
+                    self.checks.forget()  # the resend may reach another node, or a new connection
+                    await asyncio.sleep(attempts.next_delay(error))
+                    try:
+                        return await action()
+                    except RETRYABLE as exc:
+                        error = attempts.keep(error, exc)
+        except asyncio.TimeoutError:
+            raise BufferUnavailable(operation, self.config.retry_s, error) from error
 
     async def _execute(self, prepared: Prepared[T]) -> T:
         """Send once inline, resend only after a retryable error (see SignalBuffer._execute)."""
@@ -179,7 +187,7 @@ class AsyncSignalBuffer(BufferBase):
         operation = prepared.operation
         # The call's deadline: a plain client reads each reply within it; the others get one
         # timeout over the whole call, resends included (see deadline.py).
-        token = call_deadline.set(started + self.config.retry_s)
+        token = call_deadline.set(started + self.config.retry_s + BACKSTOP_S)
         try:
             if self.owed:  # within this call's time: a call's bound holds with finishes owed
                 async with async_timeout(self.config.retry_s):
@@ -187,7 +195,7 @@ class AsyncSignalBuffer(BufferBase):
             if self.sender.direct is not None:
                 reply = await self._attempts(operation, call, started)
             else:
-                async with async_timeout(started + self.config.retry_s - time.monotonic()):
+                async with async_timeout(started + self.config.retry_s + BACKSTOP_S - time.monotonic()):
                     reply = await self._attempts(operation, call, started)
         except ASYNC_FAILURES as exc:
             raise_ours(operation, exc, self.config.retry_s, False)

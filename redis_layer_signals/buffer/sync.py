@@ -65,6 +65,11 @@ class SignalBuffer(BufferBase):
     ) -> RecordResult:
         """Deliver or buffer one layer's batch of ``(slot, tokens[, request_id])`` entries.
 
+        Raises ``InvalidSignal`` naming the field and value, with nothing sent, unless ``layer``
+        is below ``max_layers``, each slot below ``max_slots`` and each ``tokens`` in
+        ``[0, 2**53)``. A 0-token entry is kept, as FastDeploy's own fix keeps it: ``register``
+        drops it as ``non_positive`` (counted), and one such entry never costs its batch.
+
         ``at_ms`` (all three operations): decide as of that time, on the server's clock, instead
         of now: a replay keeps the time of the decision it replays (a signal keeps the time it
         was first recorded, so one that expired stays expired)."""

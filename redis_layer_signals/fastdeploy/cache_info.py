@@ -72,7 +72,7 @@ def _int_in(cache_info: Mapping[str, Any], field: str, high: int, default: int |
         return value
     if field in cache_info or default is None:
         value = _as_int(_required(cache_info, field), field)
-    return validation.integer(value, name or field, InvalidTask, 0, high)
+    return validation.integer(value, name or field, InvalidTask, 0, high, "max_slots" if name == "slot" else "")
 
 
 def _join_ints(values: Any, field: str) -> str:

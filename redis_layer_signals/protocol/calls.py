@@ -305,9 +305,7 @@ class Protocol:
     ) -> Prepared[RecordResult]:
         keys = self.rank_keys(instance, rank, InvalidSignal)
         if not (type(layer) is int and 0 <= layer < self._max_layers):
-            validation.integer(layer, "layer", InvalidSignal, 0, MAX_INT)
-            if layer >= self._max_layers:  # else an int subclass that prints as its digits
-                raise InvalidSignal("layer", layer, f"must be below max_layers={self._max_layers}")
+            validation.integer(layer, "layer", InvalidSignal, 0, self._max_layers, "max_layers")
         batch: Sequence[tuple[Any, ...]] | None = plain_batch(entries, self.config.max_slots)
         triples = batch is None  # else a plain batch of (slot, tokens) pairs
         with_rids = "0"
@@ -339,20 +337,18 @@ class Protocol:
     # -- register --------------------------------------------------------------------------
 
     def task_keys(self, task: Any) -> RankKeys:
-        """The keys of ``task``'s rank once every field of the task is checked."""
-        if not isinstance(task, CacheTask):
-            raise InvalidTask("task", task, "must be a CacheTask")
+        """The keys of ``task``'s rank once the bounds this buffer sets are checked: a
+        ``CacheTask`` checked its own fields when it was built; a subclass's are checked
+        again, since it may have changed what building checks."""
+        if type(task) is not CacheTask:
+            if not isinstance(task, CacheTask):
+                raise InvalidTask("task", task, "must be a CacheTask")
+            validation.task_fields(task)
         keys = self.rank_keys(task.instance, task.rank, InvalidTask)
         validation.slot(task.slot, self.config.max_slots, InvalidTask)
-        validation.identifier(task.request_id, "request_id", InvalidTask)
-        validation.integer(task.need_prefill_tokens, "need_prefill_tokens", InvalidTask, 0, MAX_INT)
         if not (type(task.num_layers) is int and 1 <= task.num_layers <= self._max_layers):
-            validation.integer(task.num_layers, "num_layers", InvalidTask, 1, MAX_INT)
-            if task.num_layers > self._max_layers:
-                raise InvalidTask("num_layers", task.num_layers, f"must be at most max_layers={self._max_layers}")
-        validation.integer(task.decode_cached_tokens, "decode_cached_tokens", InvalidTask, 0, MAX_INT)
-        if type(task.meta) is not dict or task.meta:  # an empty dict is valid meta
-            validation.meta(task.meta)
+            top = self._max_layers + 1
+            validation.integer(task.num_layers, "num_layers", InvalidTask, 1, top, "max_layers", closed=True)
         return keys
 
     def register(self, task: Any, replace: bool = False, at_ms: int | None = None) -> Prepared[RegisterResult]:

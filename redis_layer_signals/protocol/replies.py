@@ -48,12 +48,15 @@ def split_reply(reply: Any) -> tuple[str, int, str]:
 
 def _fills_dict(cls: type, names: tuple[str, ...]) -> bool:
     """Whether instances of the frozen dataclass ``cls`` may be built by setting ``__dict__``:
-    only while it has exactly these fields, no slots and no ``__post_init__`` (checked once, at
-    import). The result equals the one ``__init__`` builds (equal, hashable, immutable)."""
+    only while it has exactly these fields, no slots and no ``__post_init__`` other than one
+    that only checks the fields (``models.only_checks``; the values given here were checked
+    on their way in or come from the server). Checked once, at import. The result equals the
+    one ``__init__`` builds (equal, hashable, immutable)."""
+    post_init = getattr(cls, "__post_init__", None)
     return (
         tuple(f.name for f in fields(cls)) == names
         and "__slots__" not in vars(cls)
-        and not hasattr(cls, "__post_init__")
+        and (post_init is None or getattr(post_init, "only_checks", False))
     )
 
 

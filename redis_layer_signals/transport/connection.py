@@ -18,16 +18,17 @@ asks the sentinels for the primary again, so the resent call reaches the new one
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.exceptions import ConnectionError, ResponseError
 
 from ..errors import InvalidConfig
-from . import routing
+from . import routing, tls
 from .deadline import with_deadline
 
 MEMORY = "memory"
@@ -53,8 +54,42 @@ class MultiHostUrl:
 
 def scheme_of(url: str) -> str:
     if "://" not in url:
-        raise InvalidConfig("url", url, "must look like scheme://...")
+        raise InvalidConfig("url", shown(url), "must look like scheme://...")
     return url.split("://", 1)[0].lower()
+
+
+def shown(url: str) -> str:
+    """``url`` as an error may show it: its password, if any, replaced by ``***``."""
+    userinfo, at, rest = url.partition("://")[2].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    scheme = url.partition("://")[0]
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{rest}"
+
+
+_DATABASE = re.compile(r"[0-9]+")
+
+
+def check_database(url: str, scheme: str) -> None:
+    """Refuse, before any connection, a database the URL gives that is not a number of 0 or
+    more: redis-py reads ``redis://host:port/abc`` as database 0 and says nothing. It is the
+    path of ``redis://`` and ``rediss://``, or ``?db=`` (also on ``unix://`` and
+    ``redis+sentinel://``, whose path is the service); a Cluster has database 0 only."""
+    parts = urlsplit(url)
+    given: list[tuple[str, str]] = []
+    if scheme in ("redis", "rediss", CLUSTER):
+        path = unquote(parts.path).strip("/")
+        if path:
+            given.append(("the path", path))
+    given.extend(("?db=", value) for value in parse_qs(parts.query).get("db", []))
+    example = "redis+cluster://host:port" if scheme == CLUSTER else "redis://host:port/0 or ?db=0"
+    for where, text in given:
+        if _DATABASE.fullmatch(text) is None:
+            why = f"database {text!r} ({where}) must be a number, 0 or more, as in {example}"
+            raise InvalidConfig("url", shown(url), why)
+        if scheme == CLUSTER and int(text) != 0:
+            why = f"database {text!r} ({where}): a Redis Cluster has database 0 only, so give none"
+            raise InvalidConfig("url", shown(url), why)
 
 
 def parse_multi_host(url: str) -> MultiHostUrl:
@@ -71,10 +106,10 @@ def parse_multi_host(url: str) -> MultiHostUrl:
     for item in filter(None, netloc.split(",")):
         host, _, port = item.rpartition(":")
         if not host or not port.isdigit():
-            raise InvalidConfig("url", url, f"host {item!r} must be host:port")
+            raise InvalidConfig("url", shown(url), f"host {item!r} must be host:port")
         hosts.append((host.strip("[]"), int(port)))
     if not hosts:
-        raise InvalidConfig("url", url, "needs at least one host:port")
+        raise InvalidConfig("url", shown(url), "needs at least one host:port")
     return MultiHostUrl(scheme.lower(), hosts, username, password, path.strip("/"), parse_qs(query))
 
 
@@ -123,12 +158,18 @@ def _client(url: str, retry_s: float, is_async: bool) -> Any:
 
         fake: Any = fakeredis.FakeAsyncRedis if is_async else fakeredis.FakeRedis
         return fake(server=memory_server(url.split("://", 1)[1]))
+    check_database(url, scheme)
     package = "redis.asyncio" if is_async else "redis"
     from redis.backoff import NoBackoff
 
     no_retry = import_module(f"{package}.retry").Retry(NoBackoff(), 0)
     if scheme in SINGLE_SCHEMES:
-        client = import_module(package).Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
+        try:
+            client = import_module(package).Redis.from_url(url, retry=no_retry, **_timeouts(retry_s))
+        except ValueError as exc:  # a port or query argument redis-py cannot read
+            raise InvalidConfig("url", shown(url), str(exc)) from exc
+        if scheme == "rediss":  # a failed handshake says the server may not speak TLS (tls.py)
+            client.connection_pool.connection_class = tls.hinting(client.connection_pool.connection_class)
         if not is_async:  # each socket operation bounded by the call's deadline (deadline.py)
             client.connection_pool.connection_class = with_deadline(client.connection_pool.connection_class)
         return client
@@ -166,7 +207,7 @@ def _client(url: str, retry_s: float, is_async: bool) -> Any:
             username=parsed.username,
             password=parsed.password,
         )
-    raise InvalidConfig("url", url, f"unknown scheme {scheme!r}")
+    raise InvalidConfig("url", shown(url), f"unknown scheme {scheme!r}")
 
 
 def _bound_pool(redis_client: Any) -> Any:
@@ -229,8 +270,5 @@ def _async_primary_connection() -> type[Any]:
 def _sentinel_target(url: str, parsed: MultiHostUrl) -> tuple[str, int]:
     service = parsed.path.split("/")[0]
     if not service:
-        raise InvalidConfig("url", url, "a sentinel URL names its service: redis+sentinel://h:p/service")
-    db_text = parsed.query.get("db", ["0"])[0]
-    if not db_text.isdigit():
-        raise InvalidConfig("url", url, f"db must be a number, not {db_text!r}")
-    return service, int(db_text)
+        raise InvalidConfig("url", shown(url), "a sentinel URL names its service: redis+sentinel://h:p/service")
+    return service, int(parsed.query.get("db", ["0"])[0])  # a number: check_database

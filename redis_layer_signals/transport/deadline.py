@@ -36,6 +36,7 @@ else:  # pragma: no cover - redis-py depends on async-timeout there
     from async_timeout import timeout as async_timeout
 
 __all__ = [
+    "BACKSTOP_S",
     "MARGIN_S",
     "DeadlineSocket",
     "async_timeout",
@@ -51,6 +52,10 @@ T = TypeVar("T")
 
 MARGIN_S = 0.25
 """How long past ``retry_s`` a call may take to return or raise, whatever the network does."""
+
+BACKSTOP_S = 0.01
+"""The async buffers' timeouts around a call (``call_deadline`` included) end this long after
+its ``retry_s``: the resend loop ends at ``retry_s`` itself, with the last error it met."""
 
 _local = threading.local()
 
