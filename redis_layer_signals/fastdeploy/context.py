@@ -52,12 +52,13 @@ class RankContext:
         rank: int,
         ready: ReadySource,
         probe_s: float,
-        logger: BridgeLog,
+        logger: Any,
     ) -> None:
         self.buffer = buffer
         self.instance = instance
         self.rank = rank
-        self.logger = logger
+        self.logger = logger if isinstance(logger, BridgeLog) else BridgeLog(logger)
+        """Every line of the bridge goes through it: one string per call (see ``logs``)."""
         self.probe_s = probe_s
         self._ready = ready
         self.lock = threading.Lock()
