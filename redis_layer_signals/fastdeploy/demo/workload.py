@@ -296,7 +296,8 @@ def run(
                 acks |= _drain(messager.acks)
             if before_end is not None:
                 before_end(messager)
-            _flush_unless_degraded(bridge, left)  # Redis then holds what the process decided
+            if not _flush_unless_degraded(bridge, left):  # Redis then holds what the process decided
+                timed_out = timeout_s
             if first_contact.failed and bridge.health().degraded:  # Redis never answered: no read
                 stats, redis_error = None, first_contact.error
             else:  # before the closing probe, which is not the workload's
@@ -311,7 +312,10 @@ def run(
             if adder is not None:
                 inbox.put(STOP)  # it writes back what it decided, if Redis answers: not worth waiting for if never
                 adder.join(0 if hopeless() else left())
-            _flush_unless_degraded(bridge, left)  # the probe's decisions too
+                if adder.is_alive() and not hopeless():
+                    timed_out = timeout_s
+            if not _flush_unless_degraded(bridge, left):  # the probe's decisions too
+                timed_out = timeout_s
         health = bridge.health()
         return Outcome(
             plans=plans,
@@ -395,12 +399,15 @@ class _LowerCaseLevel(logging.Formatter):
         return super().format(copy)
 
 
-def _flush_unless_degraded(bridge: Layer0Bridge, left: Callable[[], float]) -> None:
+def _flush_unless_degraded(bridge: Layer0Bridge, left: Callable[[], float]) -> bool:
     """Wait until Redis holds what the process decided, unless Redis does not answer (the
-    bridge then serves locally: nothing to wait for) or the run's time is up."""
-    while left() > 0 and not bridge.health().degraded:
+    bridge then serves locally: nothing to wait for); False when the run's time ran out first."""
+    while not bridge.health().degraded:
         if bridge.flush(min(FLUSH_POLL_S, left())):
-            return
+            return True
+        if left() <= 0:
+            return False
+    return True
 
 
 def _serves_one_more(
