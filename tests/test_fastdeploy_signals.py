@@ -18,6 +18,8 @@ from redis_layer_signals.fastdeploy.demo.scripted import ScriptedGpu, load_paddl
 from redis_layer_signals.fastdeploy.signals import KV_SIGNAL_HEADER, encode_kv_signal
 
 paddle = load_paddle()
+if paddle is None:  # the demo runs without it; these tests decode real paddle tensors
+    raise ModuleNotFoundError("tests/test_fastdeploy_signals.py needs paddle: pip install -e '.[dev,paddle]'")
 
 
 def layout(count: int, layer: int, entries: Sequence[tuple[int, int, int]] = (), length: int = KV_SIGNAL_LENGTH) -> Any:

@@ -56,6 +56,7 @@ from .group import GroupQueue
 from .health import BridgeHealth
 from .identity import DEFAULT_LEASE_S, IdentityClaim, lease_seconds
 from .local import LocalState
+from .logs import BridgeLog
 from .owned_layout import OwnedLayout
 from .owner import OwnedRank
 from .shared_layout import SharedLayout
@@ -120,7 +121,8 @@ class Layer0Bridge:
     first write, under a lease of ``lease_s`` (see ``identity``): a second live process given
     the same identity is refused (``IdentityTaken``, see ``claimed``) and serves its process
     locally. The constructor makes no Redis call. ``logger``: where the bridge logs (default
-    this module's logger; ``bridge_for_messager`` passes FastDeploy's).
+    this module's logger; ``bridge_for_messager`` passes FastDeploy's): any object with
+    ``debug``, ``info``, ``warning`` and ``error`` taking one string.
     """
 
     def __init__(
@@ -137,7 +139,7 @@ class Layer0Bridge:
         hook_budget_ms: float = DEFAULT_HOOK_BUDGET_MS,
         nranks: int = 1,
         lease_s: float = DEFAULT_LEASE_S,
-        logger: logging.Logger | None = None,
+        logger: Any = None,
     ) -> None:
         # A buffer on the default memory:// would be this process's alone, and nothing would say so.
         require_shared(buffer.config, "the FastDeploy bridge")
@@ -154,8 +156,9 @@ class Layer0Bridge:
         nranks = validation.integer(nranks, "nranks", InvalidConfig, 1, MAX_NRANKS + 1)
         if nranks > 1 and not registers_tasks:
             raise InvalidConfig("nranks", nranks, "above 1 needs registers_tasks=True (FastDeploy's layout)")
-        self.logger = logger if logger is not None else _module_logger
-        """Where the bridge logs (FastDeploy's own logger, given by ``bridge_for_messager``)."""
+        self.logger = BridgeLog(logger if logger is not None else _module_logger)
+        """Where the bridge logs: the logger given (FastDeploy's, from ``bridge_for_messager``),
+        each line formatted here and passed as one string (see ``logs``)."""
         self.buffer = buffer
         self.instance = instance
         self.rank = rank

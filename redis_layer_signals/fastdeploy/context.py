@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from ..buffer.sync import SignalBuffer
 from ..errors import InvalidSignal, InvalidTask
 from ..models import CacheTask
 from .local import LocalState
+from .logs import BridgeLog, one_line
 
 Batch = list[tuple[int, int]]
 """What ``cache_prefilled_engine_ids_queue`` carries: ``[(engine_idx, prefilled_token_num)]``."""
@@ -52,12 +52,13 @@ class RankContext:
         rank: int,
         ready: ReadySource,
         probe_s: float,
-        logger: logging.Logger,
+        logger: Any,
     ) -> None:
         self.buffer = buffer
         self.instance = instance
         self.rank = rank
-        self.logger = logger
+        self.logger = logger if isinstance(logger, BridgeLog) else BridgeLog(logger)
+        """Every line of the bridge goes through it: one string per call (see ``logs``)."""
         self.probe_s = probe_s
         self._ready = ready
         self.lock = threading.Lock()
@@ -115,14 +116,13 @@ class RankContext:
         return True
 
     def log_degraded(self, operation: str, exc: BaseException) -> None:
+        """An outage is expected, not a bug: one line with its cause, no traceback."""
         self.logger.warning(
-            "%s/%d: Redis failed in %s (%s: %s); serving this process locally until it answers",
+            "%s/%d: Redis failed in %s (%s); serving this process locally until it answers",
             self.instance,
             self.rank,
             operation,
-            type(exc).__name__,
-            exc,
-            exc_info=exc,
+            one_line(exc),
         )
 
     def end_episode(self) -> tuple[float, int, int]:
@@ -163,9 +163,7 @@ class RankContext:
             first = kind not in self.logged
             self.logged.add(kind)
         if first:
-            self.logger.error(
-                "%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, exc_info=exc
-            )
+            self.logger.error("%s/%d: %s failed in the bridge itself", self.instance, self.rank, operation, trace=exc)
 
     def invalid(self, operation: str, exc: InvalidSignal | InvalidTask) -> None:
         """Count bad input; log it once until the same hook succeeds again."""

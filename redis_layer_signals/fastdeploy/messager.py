@@ -9,9 +9,9 @@ after its engine, unique per host (``instance_name``), and its rank is the messa
 
 from __future__ import annotations
 
-import logging
 import re
 import socket
+from typing import Any
 
 from ..buffer.sync import SignalBuffer
 from ..config import shared_url
@@ -48,7 +48,7 @@ def bridge_for_messager(
     block_size: int,
     num_layers: int,
     ready: ReadySource,
-    logger: logging.Logger | None = None,
+    logger: Any = None,
 ) -> Layer0Bridge | None:
     """The bridge of one ``CacheMessagerV1``, or None unless it is a prefill messager.
 

@@ -11,7 +11,6 @@ group's order (``group``, ``voting``).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -118,7 +117,7 @@ class OwnedLayout:
                 return []
             batch = [(task.slot, tokens)]
             ctx.ready.put(batch)
-        if ctx.logger.isEnabledFor(logging.DEBUG):
+        if ctx.logger.enabled("debug"):
             ctx.logger.debug(
                 "slot %d: early layer-0 signal (%d tokens) handed to %s", task.slot, tokens, task.request_id
             )

@@ -339,7 +339,9 @@ class SharedLayout:
         return True
 
     def close(self) -> None:
-        self._caller.shutdown(wait=False)
+        # Calls not started yet are dropped: each would wait out the buffer's retry_s against a
+        # Redis that does not answer, and the interpreter joins these threads at its exit.
+        self._caller.shutdown(wait=False, cancel_futures=True)
         self.ctx.closed.set()
         with self.ctx.wake:
             self.ctx.wake.notify_all()

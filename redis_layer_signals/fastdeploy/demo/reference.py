@@ -30,6 +30,7 @@ from typing import Any
 
 from ...buffer.sync import SignalBuffer
 from ..bridge import META_DEST_BLOCKS, META_SRC_BLOCKS, Batch, Layer0Bridge, QueueLike, block_ids, layer0_entries
+from ..logs import one_line
 from ..signals import KvSignal, decode_kv_signal
 from .scripted import RecordingTransport
 
@@ -157,7 +158,7 @@ class CacheTaskAdder:
 class ReferenceMessager:
     """The prefill side of a cache messager: consumer, adder (optional) and sender threads.
 
-    Feed it ``signals`` (paddle tensors from ``ScriptedGpu``) and ``cache_infos`` (halves);
+    Feed it ``signals`` (tensors from ``ScriptedGpu``) and ``cache_infos`` (halves);
     read ``transport.writes``, ``finished`` and ``acks``. The sender's queue is the bridge's
     ``ready``. Pass ``with_adder=False`` when the adder runs in another process: the sender
     then reads the tasks it does not know from the buffer.
@@ -234,7 +235,9 @@ class ReferenceMessager:
             try:
                 self._take(inbox, handle)
             except Exception as exc:
-                logger.exception("%s failed", handle.__qualname__)
+                # One line; the traceback only for whoever asks for debug logs.
+                logger.error("%s failed: %s", handle.__qualname__, one_line(exc))
+                logger.debug("%s failed", handle.__qualname__, exc_info=exc)
                 self.errors.append(exc)
                 self._stop.wait(POLL_S)
 
@@ -379,16 +382,17 @@ def run_adder_process(
 
 
 def _collect(source: QueueLike, wanted_ids: Iterable[str], timeout: float) -> set[str]:
+    """What of ``wanted_ids`` comes within ``timeout``, and whatever is there already when it
+    is 0 (a run whose time is up still counts what finished)."""
     wanted, seen = set(wanted_ids), set[str]()
     deadline = time.monotonic() + timeout
     while not wanted <= seen:
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
         try:
-            seen.add(source.get(timeout=min(remaining, 0.05)))
+            seen.add(source.get(timeout=min(remaining, 0.05)) if remaining > 0 else source.get(block=False))
         except queue.Empty:
-            continue
+            if remaining <= 0:
+                break
     return seen
 
 

@@ -1,8 +1,10 @@
 """The stand-ins around the reference messager: requests, a scripted GPU and a recording transport.
 
-The GPU fills a real paddle ``int32`` tensor per layer and per forward step, exactly as the
-engine's signal op fills ``kv_signal_data``, and remembers which KV blocks it has written, so the
-transport can tell a write of a block that was not computed yet from a correct one.
+The GPU fills an ``int32`` tensor per layer and per forward step, exactly as the engine's signal
+op fills ``kv_signal_data``, and remembers which KV blocks it has written, so the transport can
+tell a write of a block that was not computed yet from a correct one. The tensor is a CPU paddle
+tensor when paddle is installed (the type FastDeploy hands the messager), else a numpy array,
+which ``decode_kv_signal`` reads the same way: the demo needs only the ``fastdeploy`` extra.
 """
 
 from __future__ import annotations
@@ -22,18 +24,16 @@ DEST_BLOCK_BASE = 100_000
 """Decode-side block ids start here, so a write's source and destination never look alike."""
 
 
-def load_paddle() -> Any:
-    """Import paddle on first use (about a second), so numpy-only users never pay for it."""
+def load_paddle() -> Any | None:
+    """Import paddle on first use (about a second), so numpy-only users never pay for it; None
+    when it is not installed, or does not import."""
     with warnings.catch_warnings():
         # The CPU wheel warns about a missing C++ compiler cache it never uses here.
         warnings.filterwarnings("ignore", message=".*ccache.*")
         try:
             import paddle
-        except ModuleNotFoundError as error:
-            raise ModuleNotFoundError(
-                "the scripted GPU (simulate --chaos-outage) needs paddle: pip install 'redis-layer-signals[paddle]'",
-                name="paddle",
-            ) from error
+        except (ImportError, OSError):  # absent, or a wheel that does not load on this host
+            return None
 
     return paddle
 
@@ -113,6 +113,8 @@ class ScriptedGpu:
         self._filled: dict[tuple[int, int], int] = {}  # (layer, src block) -> tokens written
         self._capacity: dict[int, int] = {}  # src block -> tokens it holds when complete
         self.paddle = load_paddle()
+        self.tensors = "numpy" if self.paddle is None else "paddle"
+        """What ``signal_tensor`` returns: ``paddle`` tensors, or ``numpy`` arrays without paddle."""
 
     def forward(self, step: Sequence[tuple[PrefillRequest, int, int]], layers: Iterable[int] | None = None) -> None:
         """One forward step over ``(request, chunk_token_offset, current_seq_len)`` entries.
@@ -134,8 +136,11 @@ class ScriptedGpu:
             self.forward([(request, offset, length)])
 
     def signal_tensor(self, layer: int, entries: Sequence[tuple[int, int, int]]) -> Any:
-        """A CPU paddle tensor laid out like ``kv_signal_data`` (unused tail left at -1)."""
+        """A CPU paddle tensor (a numpy array without paddle) laid out like ``kv_signal_data``
+        (unused tail left at -1)."""
         values = encode_kv_signal(layer, entries)
+        if self.paddle is None:
+            return values
         return self.paddle.to_tensor(values, dtype="int32", place=self.paddle.CPUPlace())
 
     def complete(self, layer: int, src_block: int) -> bool:
