@@ -28,6 +28,7 @@ from .cli_help import HelpTyper
 from .config import shared_url
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import BufferUnavailable, SignalBufferError
+from .extras import install_hint
 from .ops import admin
 from .server import eviction
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
@@ -782,7 +783,10 @@ EXIT_NEEDS_PATCH = 1
 EXIT_STRUCTURE = 2
 """``fastdeploy patch``: the file is not a release the codemod knows; nothing was written."""
 EXIT_FILE = 3
-"""``fastdeploy patch``: a file could not be read or written (or libcst is missing); nothing changed."""
+"""``fastdeploy patch``: a file could not be read or written (or the fastdeploy extra is missing);
+nothing changed."""
+FASTDEPLOY_EXTRA = ("libcst", "numpy")
+"""What the ``fastdeploy`` extra adds to the base install: without either the command cannot run."""
 
 
 @fastdeploy_app.command("patch")
@@ -820,9 +824,12 @@ def fastdeploy_patch_command(
     try:
         from .fastdeploy import patch, patch_files
     except ModuleNotFoundError as exc:
-        if exc.name != "libcst":
+        if exc.name not in FASTDEPLOY_EXTRA:
             raise
-        _fail("rls fastdeploy patch needs libcst: pip install 'redis-layer-signals[fastdeploy]'", EXIT_FILE)
+        _fail(
+            f"rls fastdeploy patch needs the fastdeploy extra ({exc.name} is missing): {install_hint('fastdeploy')}",
+            EXIT_FILE,
+        )
     if check and output is not None:
         _fail("--check writes nothing: give --check or --output, not both", EXIT_USAGE)
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InvalidSignal
+from ...extras import install_hint
 from ..bridge import DEFAULT_BLOCK_SIZE
 from ..signals import KV_SIGNAL_MAX_TASKS, encode_kv_signal
 
@@ -31,7 +32,7 @@ def load_paddle() -> Any:
             import paddle
         except ModuleNotFoundError as error:
             raise ModuleNotFoundError(
-                "the scripted GPU (simulate --chaos-outage) needs paddle: pip install 'redis-layer-signals[paddle]'",
+                f"the scripted GPU (simulate --chaos-outage) needs paddle: {install_hint('paddle')}",
                 name="paddle",
             ) from error
 
