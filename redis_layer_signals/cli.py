@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from .ops import admin
 from .server import eviction
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
 from .simulate.chaos import foreign_faults, run_with_chaos
-from .simulate.report import clip, table
+from .simulate.report import clip, table, without_password
 from .simulate.runner import preflight, require_shared
 
 EXIT_FAILED = 1
@@ -146,11 +145,6 @@ def _server_of(command: str, url: str | None) -> str:
     return url
 
 
-def _without_password(url: str) -> str:
-    """``url`` as it may be printed: its password, if any, masked."""
-    return re.sub(r"(://[^/@:]*:)[^@/]+@", r"\1***@", url)
-
-
 def _empty(buf: SignalBuffer, namespace: str) -> bool:
     return not admin.namespace_keys(buf.client, namespace)
 
@@ -241,7 +235,7 @@ def simulate_command(
     harm = foreign_faults(redis) if chaos and chaos_outage is None else None
     if harm is not None and not yes:
         err.print(
-            f"refusing --chaos on {_without_password(redis)}, a server this run did not start, without --yes: "
+            f"refusing --chaos on {without_password(redis)}, a server this run did not start, without --yes: "
             f"it would run {harm}",
             markup=False,
             soft_wrap=True,
