@@ -29,7 +29,7 @@ from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import BufferUnavailable, SignalBufferError
 from .extras import install_hint
 from .ops import admin
-from .server import eviction
+from .server import eviction, said
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
 from .simulate.chaos import foreign_faults, run_with_chaos
 from .simulate.report import clip, table, without_password
@@ -131,7 +131,15 @@ Seed = Annotated[int, typer.Option(help="Seed of the random workload: the same s
 
 
 def _buffer(url: str, namespace: str) -> SignalBuffer:
-    return SignalBuffer.from_url(url, namespace=namespace)
+    """A buffer on ``url`` whose servers have been read, so a setting that can lose or evict
+    signals is said before the command's output, as the buffers of a deployment say it."""
+    buf = SignalBuffer.from_url(url, namespace=namespace)
+    try:
+        buf.server_policies()
+    except BaseException:
+        buf.close()
+        raise
+    return buf
 
 
 def _server_of(command: str, url: str | None) -> str:
@@ -440,7 +448,10 @@ def registrar_command(
     ] = 0.0,
 ) -> None:
     """The registrar of simulated nodes: registers their cache tasks on the shared Redis."""
-    report = run_registrar(SimConfig(url=shared_url(redis), namespace=namespace, mode=mode), idle_exit_s)
+    config = SimConfig(url=shared_url(redis), namespace=namespace, mode=mode)
+    require_shared(config, "registrar")
+    preflight(config)
+    report = run_registrar(config, idle_exit_s)
     out.print(f"registrar: {report.registered} tasks registered")
 
 
@@ -512,7 +523,7 @@ def stats_command(
         if not any(counters.values()) and _empty(buf, namespace):
             if not watch:
                 _report_empty(namespace)
-            err.print(f"namespace {namespace!r} has no keys on this server yet: watching", markup=False, soft_wrap=True)
+            warn(f"namespace {namespace!r} has no keys on this server yet: watching")
         if as_json:
             out.print_json(json.dumps(counters))
             return
@@ -586,8 +597,9 @@ def metrics_command(
     with SignalBuffer.from_url(url, namespace=namespace, observer=metrics.observe) as buf:
         try:
             buf.client.ping()
+            buf.server_policies()  # its warnings now, not at the first scrape
         except Exception as exc:  # keep serving: the exporter reports rls_up 0 until Redis answers
-            err.print(f"Redis does not answer yet ({exc}); serving rls_up 0 until it does", markup=False)
+            warn(f"Redis does not answer yet ({error_message(exc)}); serving rls_up 0 until it does")
         metrics.track(buf)
         server = metrics.serve(port, host)
         err.print(f"serving metrics of {namespace!r} on http://{host}:{server.server_port}/metrics", markup=False)
@@ -883,17 +895,35 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+class _WarningLines(logging.Handler):
+    """The library's warnings in the command's voice (``warn``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            warn(record.getMessage())
+        except Exception:
+            self.handleError(record)
+
+
 def _say_warnings() -> None:
-    """The library's warnings (an evicting server, a setting that can lose writes) on stderr as
-    one line each, as errors are: ``rls: warning: Redis 10.0.0.5:6379 has appendonly no: ...``.
-    A process that configured logging itself keeps its own handlers."""
+    """The library's warnings (an evicting server, a setting that can lose writes) on stderr in
+    the command's voice, once per command and server: ``rls: warning: Redis 10.0.0.5:6379 has
+    appendonly no: ...``. The processes a command starts (simulate's ranks, bench's contenders)
+    leave unsaid what it said (``server.said``). A process that configured logging itself keeps
+    its own handlers."""
+    said.share_with_children()
     library = logging.getLogger("redis_layer_signals")
     if library.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("rls: warning: %(message)s"))
-    handler.setLevel(logging.WARNING)
+    handler = _WarningLines(logging.WARNING)
     library.addHandler(handler)
+
+
+def warn(message: str) -> None:
+    """One ``rls: warning: ...`` line on stderr, as ``_fail`` says an error (read when it is
+    said: a live progress display moves ``sys.stderr`` while it runs)."""
+    line = " ".join(str(message).split())
+    print(f"rls: warning: {line}", file=sys.stderr)
 
 
 def error_message(exc: BaseException) -> str:

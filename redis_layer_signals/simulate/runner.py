@@ -54,10 +54,13 @@ def require_shared(config: SimConfig, role: str) -> None:
 
 
 def preflight(config: SimConfig) -> None:
-    """Reach Redis once: unreachable is one BufferUnavailable here, not a crash per process."""
+    """Reach Redis once: unreachable is one BufferUnavailable here, not a crash per process;
+    and read its servers here, so that a setting that can lose signals is warned about by the
+    process that starts the others (``server.said``), before any of them runs."""
     if not config.in_process:
         with SignalBuffer.from_url(config.url, namespace=config.namespace) as probe:
             probe.now_ms()
+            probe.server_policies()
 
 
 def _messages_client(config: SimConfig) -> Any:
