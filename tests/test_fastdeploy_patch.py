@@ -222,7 +222,7 @@ def test_the_help_states_every_exit_code(rls: Callable[..., Done]) -> None:
     text = " ".join(done.stdout.replace("│", " ").split())
     for code in ("0 patched or already patched", "1 --check found work to do", "2 the file's structure"):
         assert code in text, code
-    assert "3 a file could not be read or written" in text
+    assert "3 a file could not be read or written, or the fastdeploy extra is missing" in text
 
 
 # -- files the command cannot read or write: exit 3, one line, nothing changed ----------------
