@@ -208,7 +208,8 @@ def simulate_command(
 ) -> None:
     """A PD deployment in miniature: checks every layer is sent exactly once.
 
-    --chaos, --chaos-outage and --tp: see docs/simulation.md."""
+    In the docs: --tp in simulation.md, --chaos in operations/failures.md, --chaos-outage in
+    fastdeploy.md."""
     if tp is not None and (chaos or chaos_outage is not None):
         err.print("--tp runs without --chaos and --chaos-outage", markup=False)
         raise typer.Exit(EXIT_USAGE)
