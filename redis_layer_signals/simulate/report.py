@@ -160,7 +160,7 @@ def table(summary: Summary) -> Table:
     dropped = ", ".join(f"{k} {v}" for k, v in summary.dropped.items()) or "0"
     why = "; ".join(f"{k}: {_drop_words(k, summary)}" for k in summary.dropped)
     rows: list[tuple[str, object, str]] = [
-        ("requests", summary.requests, "instances x ranks x --requests"),
+        ("requests", summary.requests, "--requests on every rank of the run"),
         (
             "  completed / aborted",
             f"{summary.completed} / {summary.aborted}",
