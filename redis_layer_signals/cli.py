@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -28,11 +27,12 @@ from .cli_help import HelpTyper
 from .config import shared_url
 from .constants import DEFAULT_NAMESPACE, DEFAULT_URL
 from .errors import BufferUnavailable, SignalBufferError
+from .extras import install_hint
 from .ops import admin
-from .server import eviction
+from .server import eviction, said
 from .simulate import Mode, SimConfig, Summary, node_summary, run_registrar, simulate
 from .simulate.chaos import foreign_faults, run_with_chaos
-from .simulate.report import clip, table
+from .simulate.report import clip, table, without_password
 from .simulate.runner import preflight, require_shared
 
 EXIT_FAILED = 1
@@ -77,8 +77,7 @@ RedisUrl = Annotated[
         "--redis",
         envvar="RLS_REDIS_URL",
         metavar="url",
-        help="The server: memory:// (one in this process), redis://, rediss://, unix://, redis+sentinel://, "
-        "redis+cluster://.",
+        help="The server: memory:// (embedded) or a Redis URL.",
     ),
 ]
 Namespace = Annotated[
@@ -113,25 +112,32 @@ OperatorUrl = Annotated[
 ]
 
 # Options of the simulated deployment, shared by `simulate` and `node`; defaults are SimConfig's.
-SimMode = Annotated[Mode, typer.Option(help="redis: this library; drop: before the fix; local: a per-process dict.")]
+SimMode = Annotated[
+    Mode,
+    typer.Option(metavar="mode", help="redis: this library; drop: before the fix; local: a dict per process."),
+]
 Ranks = Annotated[int, typer.Option(min=1, help="Ranks per instance.")]
-Requests = Annotated[int, typer.Option(min=1, help="Requests per rank of each instance.")]
-Layers = Annotated[int, typer.Option(min=1, help="Layers per request (the model's depth).")]
-ChunkTokens = Annotated[
-    int, typer.Option(min=1, help="Tokens per prefill chunk: a longer prompt is prefilled in chunks.")
-]
+Requests = Annotated[int, typer.Option(min=1, help="Requests per rank.")]
+Layers = Annotated[int, typer.Option(min=1, help="Layers per request.")]
+ChunkTokens = Annotated[int, typer.Option(min=1, help="Tokens per prefill chunk.")]
 Batch = Annotated[int, typer.Option(min=1, max=512, help="Engine slots per rank.")]
-EarlyShare = Annotated[float, typer.Option(min=0.0, max=1.0, help="Tasks registered after layer 0.")]
-AbortShare = Annotated[float, typer.Option(min=0.0, max=1.0, help="Requests aborted unregistered.")]
-HangTimeout = Annotated[
-    float, typer.Option(min=0.0, help="Seconds after its prefill ended by which a request must have every layer sent.")
-]
-Timeout = Annotated[float, typer.Option(min=0.0, help="Seconds the whole run may take.")]
-Seed = Annotated[int, typer.Option(help="Seed of the random workload: the same seed runs the same requests.")]
+EarlyShare = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="share", help="Tasks late for layer 0.")]
+AbortShare = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="share", help="Requests aborted early.")]
+HangTimeout = Annotated[float, typer.Option(min=0.0, help="Hang deadline after prefill.")]
+Timeout = Annotated[float, typer.Option(min=0.0, help="Seconds the run may take.")]
+Seed = Annotated[int, typer.Option(help="Seed of the random workload.")]
 
 
 def _buffer(url: str, namespace: str) -> SignalBuffer:
-    return SignalBuffer.from_url(url, namespace=namespace)
+    """A buffer on ``url`` whose servers have been read, so a setting that can lose or evict
+    signals is said before the command's output, as the buffers of a deployment say it."""
+    buf = SignalBuffer.from_url(url, namespace=namespace)
+    try:
+        buf.server_policies()
+    except BaseException:
+        buf.close()
+        raise
+    return buf
 
 
 def _server_of(command: str, url: str | None) -> str:
@@ -143,11 +149,6 @@ def _server_of(command: str, url: str | None) -> str:
             EXIT_USAGE,
         )
     return url
-
-
-def _without_password(url: str) -> str:
-    """``url`` as it may be printed: its password, if any, masked."""
-    return re.sub(r"(://[^/@:]*:)[^@/]+@", r"\1***@", url)
 
 
 def _empty(buf: SignalBuffer, namespace: str) -> bool:
@@ -176,71 +177,46 @@ def simulate_command(
     requests: Requests = SimConfig.requests,
     layers: Layers = SimConfig.layers,
     chunk_tokens: ChunkTokens = SimConfig.chunk_tokens,
-    max_prompt_tokens: Annotated[
-        int, typer.Option(min=1, help="Longest prompt, in tokens: each request's length is drawn up to it.")
-    ] = SimConfig.max_prompt_tokens,
+    max_prompt_tokens: Annotated[int, typer.Option(min=1, help="Longest prompt, in tokens.")] = (
+        SimConfig.max_prompt_tokens
+    ),
     batch: Batch = SimConfig.batch,
     early_share: EarlyShare = SimConfig.early_share,
     abort_share: AbortShare = SimConfig.abort_share,
-    max_delay_ms: Annotated[
-        float, typer.Option(min=0.0, help="Longest delay, in ms, of a task registered after layer 0.")
-    ] = (SimConfig.max_delay_ms),
+    max_delay_ms: Annotated[float, typer.Option(min=0.0, help="Longest delay of a late task.")] = (
+        SimConfig.max_delay_ms
+    ),
     hang_timeout_s: HangTimeout = SimConfig.hang_timeout_s,
     timeout_s: Timeout = SimConfig.timeout_s,
     seed: Seed = SimConfig.seed,
     json_path: JsonPath = None,
-    chaos: Annotated[
-        bool, typer.Option(help="Restart (memory://: an own AOF Redis) or fail over the buffer's Redis mid-run.")
-    ] = False,
-    chaos_interval_s: Annotated[float, typer.Option(min=0.05, help="Mean seconds between --chaos faults.")] = 1.0,
-    chaos_fsync: Annotated[
-        str, typer.Option(metavar="policy", help="appendfsync of the Redis --chaos starts: always, everysec or off.")
-    ] = ("always"),
-    chaos_fault: Annotated[
-        str,
-        typer.Option(
-            metavar="fault",
-            help="The --chaos fault. auto: the topology's own (restart, failover); partition: cut the run's own "
-            "Redis host off (memory:// only, as root: network namespaces).",
-        ),
-    ] = "auto",
+    chaos: Annotated[bool, typer.Option("--chaos", help="Restart or fail over the Redis mid-run.")] = False,
+    chaos_interval_s: Annotated[float, typer.Option(min=0.05, help="Mean seconds between faults.")] = 1.0,
+    chaos_fsync: Annotated[str, typer.Option(metavar="policy", help="appendfsync for --chaos.")] = "always",
+    chaos_fault: Annotated[str, typer.Option(metavar="fault", help="auto (restart, failover) or partition.")] = "auto",
     chaos_outage: Annotated[
         str | None,
-        typer.Option(
-            metavar="restart",
-            help="Instead: an outage of a Redis of the run's own under the FastDeploy reference messager, "
-            "restarted empty, from its AOF, or never (needs the paddle extra).",
-        ),
+        typer.Option(metavar="restart", help="Instead: an outage under FastDeploy's messager; empty, aof or never."),
     ] = None,
-    chaos_down_s: Annotated[float, typer.Option(min=0.1, help="How long a --chaos-outage lasts.")] = 2.0,
-    chaos_retry_s: Annotated[float, typer.Option(min=0.05, help="retry_s of the buffer in --chaos-outage.")] = 0.5,
-    yes: Annotated[
-        bool,
-        typer.Option("--yes", help="Let --chaos break a server this run did not start (--redis other than memory://)."),
-    ] = False,
+    chaos_down_s: Annotated[float, typer.Option(min=0.1, help="Length of a --chaos-outage.")] = 2.0,
+    chaos_retry_s: Annotated[float, typer.Option(min=0.05, help="retry_s in a --chaos-outage.")] = 0.5,
+    yes: Annotated[bool, typer.Option("--yes", help="Let --chaos hit a server it did not start.")] = False,
     tp: Annotated[
         int | None,
-        typer.Option(
-            "--tp",
-            min=1,
-            max=8,
-            show_default=False,
-            help="Instead: each instance is a tensor-parallel group of N ranks (replaces --ranks), FastDeploy's "
-            "cache messager on every rank, all fed the same GPU messages and cache tasks with a jitter of their "
-            "own, sharing its send and task barriers; checks that each group agreed (every rank queued the same "
-            "batches, no barrier timed out, every request sent once). --mode redis runs the bridge, local "
-            "FastDeploy's in-process fix. A barrier wait longer than --hang-timeout-s counts as a deadlock.",
-        ),
+        typer.Option("--tp", min=1, max=8, show_default=False, help="Instead: N-rank tensor-parallel groups."),
     ] = None,
 ) -> None:
-    """A PD deployment in miniature: proves every layer of every chunk is sent exactly once."""
+    """A PD deployment in miniature: checks every layer is sent exactly once.
+
+    In the docs: --tp in simulation.md, --chaos in operations/failures.md, --chaos-outage in
+    fastdeploy.md."""
     if tp is not None and (chaos or chaos_outage is not None):
         err.print("--tp runs without --chaos and --chaos-outage", markup=False)
         raise typer.Exit(EXIT_USAGE)
     harm = foreign_faults(redis) if chaos and chaos_outage is None else None
     if harm is not None and not yes:
         err.print(
-            f"refusing --chaos on {_without_password(redis)}, a server this run did not start, without --yes: "
+            f"refusing --chaos on {without_password(redis)}, a server this run did not start, without --yes: "
             f"it would run {harm}",
             markup=False,
             soft_wrap=True,
@@ -445,7 +421,10 @@ def registrar_command(
     ] = 0.0,
 ) -> None:
     """The registrar of simulated nodes: registers their cache tasks on the shared Redis."""
-    report = run_registrar(SimConfig(url=shared_url(redis), namespace=namespace, mode=mode), idle_exit_s)
+    config = SimConfig(url=shared_url(redis), namespace=namespace, mode=mode)
+    require_shared(config, "registrar")
+    preflight(config)
+    report = run_registrar(config, idle_exit_s)
     out.print(f"registrar: {report.registered} tasks registered")
 
 
@@ -461,8 +440,9 @@ def inspect_command(
     slot: Annotated[int | None, typer.Option(min=0, help="Only this slot.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
-    """Live tasks and pending signals, with their ages and remaining TTLs (exit 3: the namespace
-    has no keys)."""
+    """Live tasks and pending signals, with their ages and remaining TTLs.
+
+    Exit 3: the namespace has no keys."""
     with _buffer(_server_of("inspect", redis), namespace) as buf:
         shot = admin.snapshot(buf, instance, rank, slot)
         if not shot.tasks and not shot.pending and _empty(buf, namespace):
@@ -510,14 +490,16 @@ def stats_command(
     count: Annotated[int, typer.Option(min=0, help="With --watch: stop after this many refreshes, 0 for never.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """The namespace's counters, summed over its ranks (expired signals swept first; exit 3: the
-    namespace has no keys, which --watch only warns about)."""
+    """The namespace's counters, summed over its ranks.
+
+    Expired signals are swept first. Exit 3: the namespace has no keys, which --watch only
+    warns about."""
     with _buffer(_server_of("stats", redis), namespace) as buf:
         counters = buf.stats()
         if not any(counters.values()) and _empty(buf, namespace):
             if not watch:
                 _report_empty(namespace)
-            err.print(f"namespace {namespace!r} has no keys on this server yet: watching", markup=False, soft_wrap=True)
+            warn(f"namespace {namespace!r} has no keys on this server yet: watching")
         if as_json:
             out.print_json(json.dumps(counters))
             return
@@ -558,8 +540,9 @@ def purge_command(
     redis: OperatorUrl = None,
     yes: Annotated[bool, typer.Option("--yes", help="Really delete.")] = False,
 ) -> None:
-    """Remove every key of one namespace (SCAN by its prefix; other namespaces untouched; exit 3:
-    it has no keys)."""
+    """Remove every key of one namespace.
+
+    SCAN by its prefix; other namespaces are untouched. Exit 3: it has no keys."""
     with _buffer(_server_of("purge", redis), namespace) as buf:
         if not yes:
             found = len(admin.namespace_keys(buf.client, namespace))
@@ -591,8 +574,9 @@ def metrics_command(
     with SignalBuffer.from_url(url, namespace=namespace, observer=metrics.observe) as buf:
         try:
             buf.client.ping()
+            buf.server_policies()  # its warnings now, not at the first scrape
         except Exception as exc:  # keep serving: the exporter reports rls_up 0 until Redis answers
-            err.print(f"Redis does not answer yet ({exc}); serving rls_up 0 until it does", markup=False)
+            warn(f"Redis does not answer yet ({error_message(exc)}); serving rls_up 0 until it does")
         metrics.track(buf)
         server = metrics.serve(port, host)
         err.print(f"serving metrics of {namespace!r} on http://{host}:{server.server_port}/metrics", markup=False)
@@ -753,8 +737,10 @@ def bench_command(
         ),
     ] = 20.0,
 ) -> None:
-    """Measure record, register and finish against a local dict, naive WATCH/MULTI and a no-op
-    EVALSHA floor on one server; write markdown, JSON and a plot."""
+    """Measure record, register and finish on one server.
+
+    Against a local dict, naive WATCH/MULTI and a no-op EVALSHA floor; writes markdown, JSON
+    and a plot. --hooks: the FastDeploy bridge's hooks instead (docs/performance.md)."""
     from .bench import runner
 
     if hooks:
@@ -782,7 +768,10 @@ EXIT_NEEDS_PATCH = 1
 EXIT_STRUCTURE = 2
 """``fastdeploy patch``: the file is not a release the codemod knows; nothing was written."""
 EXIT_FILE = 3
-"""``fastdeploy patch``: a file could not be read or written (or libcst is missing); nothing changed."""
+"""``fastdeploy patch``: a file could not be read or written (or the fastdeploy extra is missing);
+nothing changed."""
+FASTDEPLOY_EXTRA = ("libcst", "numpy")
+"""What the ``fastdeploy`` extra adds to the base install: without either the command cannot run."""
 
 
 @fastdeploy_app.command("patch")
@@ -800,29 +789,36 @@ def fastdeploy_patch_command(
         Path | None,
         typer.Option(
             "--root",
+            metavar="dir",
             show_default=False,
             help="With --check: the diff's paths are relative to this directory, for `patch -p1` run there "
             "(default: the directory above the fastdeploy/ folder holding FILE, else FILE's directory).",
         ),
     ] = None,
     force: Annotated[
-        bool, typer.Option("--force", help="Replace a read-only FILE or OUT, or a FILE.orig holding another file.")
+        bool,
+        typer.Option("--force", help="Replace a read-only FILE or --output file, or a FILE.orig holding another file."),
     ] = False,
 ) -> None:
-    """Apply the integration guide to `CacheMessagerV1` (release/2.6 with PR 7872, or after PR 8035):
-    the import, the bridge in `__init__` and the three hook points. Rewrites FILE (through a symlink,
-    its target) and keeps the original as FILE.orig; a file already patched is left alone.
-    Exit codes: 0 patched or already patched; 1 --check found work to do (the diff is on stdout);
-    2 the file's structure is not one the codemod knows, or code it would remove is not (the message
-    names the line), nothing written; 3 a file could not be read or written (binary, not UTF-8 without
-    a coding cookie, NUL bytes, a directory, a missing path, permission, read-only without --force)
-    or libcst is missing, nothing changed."""
+    """Apply the FastDeploy integration to FILE, FastDeploy's cache_messager.py.
+
+    Edits `CacheMessagerV1` (release/2.6 with PR 7872, or after PR 8035): the import, the
+    bridge in `__init__` and the three hook points. Rewrites FILE (through a symlink, its
+    target), keeping the original as FILE.orig; a file already patched is left alone.
+
+    Exit codes: 0 patched or already patched; 1 --check found work to do (the diff is on
+    stdout); 2 the file's structure, or code it would remove, is not one the codemod knows;
+    3 a file could not be read or written, or the fastdeploy extra is missing. Only exit 0
+    writes anything."""
     try:
         from .fastdeploy import patch, patch_files
     except ModuleNotFoundError as exc:
-        if exc.name != "libcst":
+        if exc.name not in FASTDEPLOY_EXTRA:
             raise
-        _fail("rls fastdeploy patch needs libcst: pip install 'redis-layer-signals[fastdeploy]'", EXIT_FILE)
+        _fail(
+            f"rls fastdeploy patch needs the fastdeploy extra ({exc.name} is missing): {install_hint('fastdeploy')}",
+            EXIT_FILE,
+        )
     if check and output is not None:
         _fail("--check writes nothing: give --check or --output, not both", EXIT_USAGE)
     try:
@@ -882,17 +878,35 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+class _WarningLines(logging.Handler):
+    """The library's warnings in the command's voice (``warn``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            warn(record.getMessage())
+        except Exception:
+            self.handleError(record)
+
+
 def _say_warnings() -> None:
-    """The library's warnings (an evicting server, a setting that can lose writes) on stderr as
-    one line each, as errors are: ``rls: warning: Redis 10.0.0.5:6379 has appendonly no: ...``.
-    A process that configured logging itself keeps its own handlers."""
+    """The library's warnings (an evicting server, a setting that can lose writes) on stderr in
+    the command's voice, once per command and server: ``rls: warning: Redis 10.0.0.5:6379 has
+    appendonly no: ...``. The processes a command starts (simulate's ranks, bench's contenders)
+    leave unsaid what it said (``server.said``). A process that configured logging itself keeps
+    its own handlers."""
+    said.share_with_children()
     library = logging.getLogger("redis_layer_signals")
     if library.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("rls: warning: %(message)s"))
-    handler.setLevel(logging.WARNING)
+    handler = _WarningLines(logging.WARNING)
     library.addHandler(handler)
+
+
+def warn(message: str) -> None:
+    """One ``rls: warning: ...`` line on stderr, as ``_fail`` says an error (read when it is
+    said: a live progress display moves ``sys.stderr`` while it runs)."""
+    line = " ".join(str(message).split())
+    print(f"rls: warning: {line}", file=sys.stderr)
 
 
 def error_message(exc: BaseException) -> str:

@@ -8,7 +8,8 @@ flag), then what it does with its range, default and environment variable in wor
 
     --batch <n>    Engine slots per rank (1-512; default: 8).
 
-``describe`` is also what the documentation's CLI reference prints. Only the help formatter's
+A range shows in ``--help`` only with both ends; ``describe``, what the documentation's CLI
+reference prints, says every range. Only the help formatter's
 public methods are used (usage, text, definition lists), so the layout survives typer's releases
 within the range pyproject.toml pins.
 """
@@ -107,8 +108,11 @@ def describe(param: Any) -> str:
 
 
 def help_line(param: Any) -> str:
-    """``describe`` with the default and the environment variable, for ``--help``."""
-    notes = [words] if (words := range_words(param)) else []
+    """``describe`` with the default and the environment variable, for ``--help``. A range
+    shows only with both its ends (``1-512``): a lower bound alone (``at least 1``) rarely
+    tells a reader anything, and a value below it is refused naming it."""
+    both_ends = getattr(param, "min", None) is not None and getattr(param, "max", None) is not None
+    notes = [range_words(param)] if both_ends else []
     if default := default_words(param):
         notes.append(f"default: {default}")
     if isinstance(param.envvar, str):

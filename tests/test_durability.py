@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -18,7 +19,7 @@ import redis
 from redis_layer_signals import AsyncSignalBuffer, SignalBuffer
 from redis_layer_signals.ops import acl
 from redis_layer_signals.ops.metrics import BufferMetrics
-from redis_layer_signals.server import durability
+from redis_layer_signals.server import said
 from redis_layer_signals.server.durability import (
     APPENDONLY,
     AT_LEAST_ONE,
@@ -49,7 +50,7 @@ def warnings_naming(caplog: pytest.LogCaptureFixture, server: str, setting: str)
 def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test counts its warnings as a new process would: "once per process" would otherwise
     hide a warning that another test, on the same session-wide Sentinel or Cluster, gave first."""
-    monkeypatch.setattr(durability, "_warned", set())
+    monkeypatch.setattr(said, "_said", set())
 
 
 @pytest.fixture
@@ -289,6 +290,75 @@ def test_rls_says_a_risky_setting_once_as_a_warning_line(no_aof: RedisServer) ->
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == [line for line in lines if line.startswith("rls: warning: ")], done.stderr
     assert len([line for line in lines if "appendonly no" in line]) == 1, done.stderr
+
+
+def warning_lines(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that say a server keeps no AOF, whatever their voice."""
+    return [line for line in stderr.splitlines() if "has appendonly no" in line]
+
+
+def test_rls_simulate_on_a_server_without_aof_says_it_once_not_once_per_process(no_aof: RedisServer) -> None:
+    """`rls simulate --requests 4` started five processes and each said the warning, bare."""
+    from tests.servers import rls
+
+    done = rls("simulate", "--requests", "4", "--layers", "4", "--redis", no_aof.url, "--namespace", namespace())
+    assert done.returncode == 0, done.stderr
+    found = warning_lines(done.stderr)
+    assert len(found) == 1, done.stderr
+    assert found[0].startswith(f"rls: warning: Redis 127.0.0.1:{no_aof.port} has appendonly no: ")
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        (("inspect",), 0),
+        (("stats",), 0),
+        (("purge",), 1),  # refused without --yes, after the warning
+        (("metrics", "--port", "0", "--host", "127.0.0.1", "--duration-s", "0.2"), 0),
+        (("registrar", "--idle-exit-s", "0.2"), 0),
+    ],
+    ids=lambda c: c[0] if isinstance(c, tuple) else str(c),
+)
+def test_every_command_that_talks_to_a_server_says_its_risky_settings_in_one_voice(
+    no_aof: RedisServer, command: tuple[str, ...], code: int
+) -> None:
+    """`rls inspect` and `rls metrics` said nothing of a server that keeps no AOF."""
+    from tests.servers import rls
+
+    ns = namespace()
+    with SignalBuffer.from_url(no_aof.url, namespace=ns, env={}) as buffer:
+        buffer.record("p0", 0, 0, [(1, 10)])
+    done = rls(*command, "--redis", no_aof.url, "--namespace", ns)
+    assert done.returncode == code, done.stderr
+    found = warning_lines(done.stderr)
+    assert len(found) == 1 and found[0].startswith(f"rls: warning: Redis 127.0.0.1:{no_aof.port} "), done.stderr
+
+
+def test_a_child_process_leaves_unsaid_what_its_command_said(no_aof: RedisServer) -> None:
+    """The library alone still warns once per process; a process started by a command that said
+    the warning (RLS_SAID_WARNINGS in its environment) does not repeat it, and says other news."""
+    import subprocess
+    import sys
+
+    from redis_layer_signals.server.said import SAID_VARIABLE
+
+    code = (
+        "import sys; from redis_layer_signals import SignalBuffer\n"
+        "with SignalBuffer.from_url(sys.argv[1], namespace='child', env={}) as b: b.server_policies()\n"
+    )
+    said = warning(f"127.0.0.1:{no_aof.port}", APPENDONLY, "no")
+    other = warning("10.0.0.5:6379", APPENDONLY, "no")
+    for parent_said, repeated in (("", 1), (f"{other}", 1), (f"{other}\n{said}", 0)):
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
+        done = subprocess.run(
+            [sys.executable, "-c", code, no_aof.url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**environment, SAID_VARIABLE: parent_said},
+        )
+        assert done.returncode == 0, done.stderr
+        assert len(warning_lines(done.stderr)) == repeated, (parent_said, done.stderr)
 
 
 def test_a_reply_not_understood_is_unknown_never_an_error() -> None:

@@ -26,6 +26,7 @@ import pytest
 import redis_layer_signals
 import redis_layer_signals.fastdeploy
 from redis_layer_signals import cli
+from redis_layer_signals.extras import install_hint
 from redis_layer_signals.fastdeploy import patch
 from redis_layer_signals.fastdeploy.patch import StructureMismatch, UnreadableSource, patch_source
 from tests.servers import Done
@@ -187,20 +188,33 @@ def test_another_structure_is_refused_with_exit_2_naming_the_place_and_nothing_w
     assert rls("fastdeploy", "patch", str(messager_file), "--check").returncode == 2
 
 
-def test_without_libcst_the_command_names_the_extra_to_install_and_exits_3(messager_file: Path) -> None:
-    code = "import sys; sys.modules['libcst'] = None; from redis_layer_signals.cli import main; main(sys.argv[1:])"
+def patch_without(modules: tuple[str, ...], *args: str) -> subprocess.CompletedProcess[str]:
+    """``rls fastdeploy patch ARGS`` in a Python where ``modules`` cannot be imported."""
+    hide = "; ".join(f"sys.modules[{name!r}] = None" for name in modules)
+    code = f"import sys; {hide}; from redis_layer_signals.cli import main; main(sys.argv[1:])"
     environment = {k: v for k, v in os.environ.items() if not k.startswith("RLS_")}
-    done = subprocess.run(
-        [sys.executable, "-c", code, "fastdeploy", "patch", str(messager_file), "--check"],
+    return subprocess.run(
+        [sys.executable, "-c", code, "fastdeploy", "patch", *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
         env=environment,
     )
-    assert done.returncode == 3  # not 1: --check's "needs patching"
-    assert "needs libcst" in done.stderr and "redis-layer-signals[fastdeploy]" in done.stderr
-    assert "Traceback" not in done.stderr
-    assert messager_file.read_bytes() == ORIGINAL
+
+
+@pytest.mark.parametrize("missing", [("libcst",), ("libcst", "numpy")], ids=["libcst", "base-install"])
+def test_without_the_extra_check_exits_3_not_1_with_an_install_hint_that_works_today(
+    messager_file: Path, missing: tuple[str, ...]
+) -> None:
+    """The base install lacks numpy as well as libcst: both must exit 3 (cannot run), never 1
+    (--check's "needs patching"), and name an install that works before any release."""
+    done = patch_without(missing, str(messager_file), "--check")
+    assert done.returncode == 3, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rls: error: "), done.stderr
+    assert "fastdeploy extra" in lines[0] and install_hint("fastdeploy") in lines[0], done.stderr
+    assert "pip install 'redis-layer-signals[" not in done.stderr  # not on any index yet
+    assert done.stdout == "" and messager_file.read_bytes() == ORIGINAL
 
 
 def test_the_help_states_every_exit_code(rls: Callable[..., Done]) -> None:
@@ -208,7 +222,7 @@ def test_the_help_states_every_exit_code(rls: Callable[..., Done]) -> None:
     text = " ".join(done.stdout.replace("│", " ").split())
     for code in ("0 patched or already patched", "1 --check found work to do", "2 the file's structure"):
         assert code in text, code
-    assert "3 a file could not be read or written" in text
+    assert "3 a file could not be read or written, or the fastdeploy extra is missing" in text
 
 
 # -- files the command cannot read or write: exit 3, one line, nothing changed ----------------

@@ -205,3 +205,50 @@ def test_checks_catch_a_buffer_that_hands_a_signal_twice_loses_one_or_leaks_one(
     summary = simulate(config)
     assert not summary.ok
     assert symptom(summary), summary.violations[:8]
+
+
+# -- what the table says -------------------------------------------------------------------
+
+
+def table_rows(stdout: str) -> dict[str, tuple[str, str]]:
+    """The result table's rows: ``{"dropped by reason": ("finish 12", "finish: ...")}``."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+        if len(cells) == 3 and cells[0] and cells[0] != "figure":
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def test_the_demo_table_says_what_each_figure_means_and_the_embedded_server_it_ran_on() -> None:
+    """`dropped by reason | finish 305` beside OK said nothing of why, and `--mode redis` hid
+    that the run was on the embedded server."""
+    from tests.servers import rls
+
+    layers = 3
+    done = rls("simulate", "--requests", "4", "--layers", str(layers), "--abort-share", "0.5", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    header = done.stdout.split("┏", 1)[0]
+    assert "run on the embedded server (memory://" in header and "redis://" not in header, header
+    assert "--mode redis (this library's buffer), seed 1, 1 process" in " ".join(header.split()), header
+    rows = table_rows(done.stdout)
+    assert len(rows) == 16 and all(meaning for _value, meaning in rows.values()), rows
+    aborted = int(rows["completed / aborted"][0].split("/")[1])
+    value, meaning = rows["dropped by reason"]
+    assert aborted > 0 and value == f"finish {aborted * layers}"  # each aborted request's newest signal per layer
+    assert meaning.startswith("finish: the aborted requests' waiting signals") and "as designed" in meaning
+    assert "must be 0" in rows["lost layer-chunks"][1] and rows["lost layer-chunks"][0] == "0"
+
+
+def test_the_demo_table_names_the_redis_url_it_ran_on_without_its_password() -> None:
+    from tests.servers import rls, running
+
+    with running() as server:
+        server.client().config_set("requirepass", "s3cret")
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/0"
+        done = rls("simulate", "--requests", "1", "--layers", "2", "--instances", "1", "--ranks", "1", "--redis", url)
+    assert done.returncode == 0, done.stderr
+    header = " ".join(done.stdout.split("┏", 1)[0].split())
+    assert f"run on redis://:***@127.0.0.1:{server.port}/0" in header and "embedded" not in header, header
+    assert "s3cret" not in done.stdout + done.stderr
+    assert "2 processes" in header  # a rank and the registrar, each its own process

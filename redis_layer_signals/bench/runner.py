@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from ..extras import install_hint
 from . import contention, external, memory, names, report, scaling
 from .machine import describe
 from .scenarios import Case, SyncCases, async_cases
@@ -33,7 +34,7 @@ DEFAULT_PROCESSES = 4
 DEFAULT_DURATION_S = 3.0
 DEFAULT_CONTENTION_BATCHES = (1, 32)
 DEFAULT_ROUNDS = 3
-BENCH_EXTRA_HINT = "pip install 'redis-layer-signals[bench]'"
+BENCH_EXTRA_HINT = install_hint("bench")
 """How to get matplotlib, which the plots need and the base install leaves out."""
 
 

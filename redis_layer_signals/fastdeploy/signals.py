@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidSignal
+from ..extras import install_hint
 
-FASTDEPLOY_EXTRA_HINT = "pip install 'redis-layer-signals[fastdeploy]'"
+FASTDEPLOY_EXTRA_HINT = install_hint("fastdeploy")
 """How to get numpy, which FastDeploy's tensors need and the base install leaves out."""
 
 try:

@@ -14,7 +14,7 @@ whether it outlives a restart or a failover:
 They are read when the eviction policy is (``eviction``: the first time a buffer talks to a
 server, again after a reconnect), with ``CONFIG GET``, or ``INFO persistence replication``
 where ``CONFIG`` is refused (managed services, the tenant ACL), else said to be ``unknown``.
-A risky value is logged once per process, server and setting, naming what can be lost and the
+A risky value is logged once per process, server and setting (``said``), naming what can be lost and the
 setting that prevents it; it is exported as ``rls_server_durability_risk``. A setting never
 fails a call: unlike the eviction policy there is no mode that refuses, since a deployment may
 accept the risk (a cache it can refill) and only it can say so.
@@ -22,8 +22,6 @@ accept the risk (a cache it can refill) and only it can say so.
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,8 +29,7 @@ from redis.exceptions import ResponseError
 
 from ..protocol.replies import text
 from .nodes import is_cluster
-
-logger = logging.getLogger("redis_layer_signals")
+from .said import warn_once
 
 APPENDONLY = "appendonly"
 MIN_REPLICAS = "min-replicas-to-write"
@@ -66,9 +63,6 @@ IF_RISKY = {
 }
 
 SINGLE, SENTINEL, CLUSTER = "single", "sentinel", "cluster"
-
-_warned: set[tuple[str, str, str]] = set()
-_warned_lock = threading.Lock()
 
 
 def topology(client: Any) -> str:
@@ -177,14 +171,6 @@ def at_risk(settings: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in settings.items() if RISKY.get(name) == value}
 
 
-def _first_time(server: str, setting: str, value: str) -> bool:
-    with _warned_lock:
-        if (server, setting, value) in _warned:
-            return False
-        _warned.add((server, setting, value))
-        return True
-
-
 def warning(server: str, setting: str, value: str) -> str:
     """What the log says about one risky setting: the server, what can be lost, the fix."""
     shown = f"wait_replicas={value}" if setting == WAIT_REPLICAS else f"{setting} {value}"
@@ -205,11 +191,10 @@ def judge(found: Mapping[str, Mapping[str, str]]) -> None:
     writes, and once about one that could not be read. Never raises."""
     for server, settings in found.items():
         for setting, value in settings.items():
-            if value == UNKNOWN and _first_time(server, setting, value):
-                logger.warning("%s", unreadable(server, setting))
+            if value == UNKNOWN:
+                warn_once(unreadable(server, setting))
         for setting, value in at_risk(settings).items():
-            if _first_time(server, setting, value):
-                logger.warning("%s", warning(server, setting, value))
+            warn_once(warning(server, setting, value))
 
 
 class ServerPolicies(dict[str, str]):

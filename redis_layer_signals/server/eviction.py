@@ -6,7 +6,7 @@ buffer reads the policy the first time it talks to a server (each primary of a C
 again after a reconnect (a failover or a restart may have put it on another node). It reads
 ``CONFIG GET maxmemory-policy``, or ``INFO memory`` where ``CONFIG`` is refused (managed
 services rename or forbid it). Anything but ``noeviction`` is logged once per process and
-server, exported as a metric, and, with ``eviction="refuse"``, refused with
+server (``said``), exported as a metric, and, with ``eviction="refuse"``, refused with
 ``errors.EvictingServer``.
 
 The check is not on the hot path: a call tests one attribute, and only the first call (or the
@@ -15,8 +15,6 @@ first after a reconnect) sends the two commands.
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,15 +24,11 @@ from ..constants import REFUSE
 from ..errors import EvictingServer
 from ..protocol.replies import text
 from .nodes import is_fake, servers
-
-logger = logging.getLogger("redis_layer_signals")
+from .said import warn_once
 
 SAFE_POLICY = "noeviction"
 UNKNOWN = "unknown"
 """The policy when neither ``CONFIG GET`` nor ``INFO`` is allowed: not warned as evicting."""
-
-_warned: set[tuple[str, str]] = set()
-_warned_lock = threading.Lock()
 
 
 def policy_of_config(reply: Any) -> str | None:
@@ -90,35 +84,22 @@ def evicting(policies: Mapping[str, str]) -> dict[str, str]:
     return {server: policy for server, policy in policies.items() if policy not in (SAFE_POLICY, UNKNOWN)}
 
 
-def _first_time(server: str, policy: str) -> bool:
-    with _warned_lock:
-        if (server, policy) in _warned:
-            return False
-        _warned.add((server, policy))
-        return True
-
-
 def judge(policies: Mapping[str, str], mode: str) -> None:
     """Warn once per process and server about an evicting server; raise in ``refuse`` mode.
     A policy that could not be read is warned about too (once), but not refused."""
     for server, policy in policies.items():
-        if policy == UNKNOWN and _first_time(server, policy):
-            logger.warning(
-                "cannot read the maxmemory-policy of Redis %s (CONFIG GET and INFO refused): make sure it is "
-                "noeviction, or grant +info (see acl.rules())",
-                server,
+        if policy == UNKNOWN:
+            warn_once(
+                f"cannot read the maxmemory-policy of Redis {server} (CONFIG GET and INFO refused): make sure it is "
+                "noeviction, or grant +info (see acl.rules())"
             )
     for server, policy in evicting(policies).items():
         if mode == REFUSE:
             raise EvictingServer(server, policy)
-        if not _first_time(server, policy):
-            continue
-        logger.warning(
-            "Redis %s has maxmemory-policy %s: it may evict pending signals, tasks and counters "
+        warn_once(
+            f"Redis {server} has maxmemory-policy {policy}: it may evict pending signals, tasks and counters "
             "without an error, and the buffer cannot see what it lost. "
-            "Set `maxmemory-policy noeviction` (CONFIG SET maxmemory-policy noeviction, and in redis.conf)",
-            server,
-            policy,
+            "Set `maxmemory-policy noeviction` (CONFIG SET maxmemory-policy noeviction, and in redis.conf)"
         )
 
 

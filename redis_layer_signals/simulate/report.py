@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.table import Table
 
+from ..transport.connection import MEMORY, scheme_of
+
 MAX_LISTED = 12
 """Violations printed before the rest are summarised as a count (--json has them all)."""
+MODE_WORDS = {
+    "redis": "this library's buffer",
+    "drop": "before the fix: early signals dropped",
+    "local": "FastDeploy's fix: a dict per process",
+}
+"""What each ``--mode`` runs, for the table's header."""
+DROP_WORDS = {
+    "finish": "the aborted requests' waiting signals, dropped by their finish, as designed",
+    "no_task": "no task yet, so dropped at once: the bug the buffer fixes",
+    "over_need": "more tokens than their task needs",
+    "non_positive": "no tokens written",
+    "layer_out_of_range": "a layer their task does not have",
+    "request_mismatch": "signals naming another request",
+    "expired": "older than the pending TTL when their task came",
+}
+"""Why ``dropped by reason`` dropped each signal, by reason (``DropReason``, ``finish_dropped``
+as ``finish``, and ``--mode drop``'s ``no_task``)."""
 
 
 @dataclass
@@ -47,6 +67,8 @@ class Summary:
     register_p50_ms: float | None
     register_p99_ms: float | None
     violations: list[str]
+    server: str = ""
+    """The server the run used, as ``server_words`` names it (no password)."""
 
     @property
     def ok(self) -> bool:
@@ -73,6 +95,7 @@ def summarize(
     ranks: list[RankReport],
     register_ms: list[float],
     extra_violations: list[str],
+    server: str = "",
 ) -> Summary:
     counts: dict[str, int] = {}
     for report in ranks:
@@ -108,35 +131,77 @@ def summarize(
         register_p50_ms=percentile(register_ms, 0.50),
         register_p99_ms=percentile(register_ms, 0.99),
         violations=[v for r in ranks for v in r.violations] + extra_violations,
+        server=server,
     )
 
 
+def without_password(url: str) -> str:
+    """``url`` as it may be printed: its password, if any, masked."""
+    return re.sub(r"(://[^/@:]*:)[^@/]+@", r"\1***@", url)
+
+
+def server_words(url: str) -> str:
+    """Where a run's signals waited, as its header says it: ``memory://`` is the embedded
+    server of this process (whatever ``--mode`` says), anything else the URL given."""
+    if scheme_of(url) == MEMORY:
+        return "the embedded server (memory://, in this process)"
+    return without_password(url)
+
+
 def table(summary: Summary) -> Table:
-    out = Table(title=f"--mode {summary.mode}, seed {summary.seed}, {summary.processes} process(es)")
+    """The figures, each with what it means in a line: a reader of the demo needs no docs to
+    tell a designed drop from a lost signal."""
+    processes = f"{summary.processes} process" + ("es" if summary.processes != 1 else "")
+    mode = f"--mode {summary.mode} ({MODE_WORDS.get(summary.mode, summary.mode)}), seed {summary.seed}, {processes}"
+    out = Table(title=f"run on {summary.server}\n{mode}" if summary.server else mode)
     out.add_column("figure")
     out.add_column("value", justify="right")
+    out.add_column("what it means")
     dropped = ", ".join(f"{k} {v}" for k, v in summary.dropped.items()) or "0"
-    rows: list[tuple[str, object]] = [
-        ("requests", summary.requests),
-        ("  completed / aborted", f"{summary.completed} / {summary.aborted}"),
-        ("  task after 1st signal", summary.late_tasks),
-        ("signals (layer x chunk)", summary.signals),
-        ("delivered at once", summary.delivered),
-        ("buffered early", summary.buffered_early),
-        ("recovered on register", summary.recovered),
-        ("dropped by reason", dropped),
-        ("superseded", summary.superseded),
-        ("expired", summary.expired),
-        ("hung requests", summary.hung),
-        ("lost layer-chunks", summary.lost),
-        ("sent twice", summary.duplicates),
-        ("record p50 / p99 ms", f"{_ms(summary.record_p50_ms)} / {_ms(summary.record_p99_ms)}"),
-        ("register p50 / p99 ms", f"{_ms(summary.register_p50_ms)} / {_ms(summary.register_p99_ms)}"),
-        ("elapsed s", summary.elapsed_s),
+    why = "; ".join(f"{k}: {_drop_words(k, summary)}" for k in summary.dropped)
+    rows: list[tuple[str, object, str]] = [
+        ("requests", summary.requests, "--requests on every rank of the run"),
+        (
+            "  completed / aborted",
+            f"{summary.completed} / {summary.aborted}",
+            "aborted on purpose (--abort-share)",
+        ),
+        ("  task after 1st signal", summary.late_tasks, "the race the buffer is for"),
+        ("signals (layer x chunk)", summary.signals, "one per layer of each chunk"),
+        ("delivered at once", summary.delivered, "task there: straight to the sender"),
+        ("buffered early", summary.buffered_early, "no task yet: waited for register"),
+        ("recovered on register", summary.recovered, "buffered, handed back by register"),
+        ("dropped by reason", dropped, why or "none"),
+        (
+            "superseded",
+            summary.superseded,
+            "buffered, replaced by a newer one",
+        ),
+        ("expired", summary.expired, "buffered past the pending TTL"),
+        ("hung requests", summary.hung, "unsent --hang-timeout-s after prefill; must be 0"),
+        ("lost layer-chunks", summary.lost, "never sent; must be 0"),
+        ("sent twice", summary.duplicates, "layer-chunks sent again; must be 0"),
+        (
+            "record p50 / p99 ms",
+            f"{_ms(summary.record_p50_ms)} / {_ms(summary.record_p99_ms)}",
+            "one record call: a layer of a step",
+        ),
+        (
+            "register p50 / p99 ms",
+            f"{_ms(summary.register_p50_ms)} / {_ms(summary.register_p99_ms)}",
+            "one register call, with recovery",
+        ),
+        ("elapsed s", summary.elapsed_s, "the whole run"),
     ]
-    for name, value in rows:
-        out.add_row(name, str(value))
+    for name, value, meaning in rows:
+        out.add_row(name, str(value), meaning)
     return out
+
+
+def _drop_words(reason: str, summary: Summary) -> str:
+    if reason == "finish" and summary.hung:  # a hung request's finish drops what it still waited for
+        return "the aborted and hung requests' waiting signals, dropped by their finish"
+    return DROP_WORDS.get(reason, "refused by register")
 
 
 def _ms(value: float | None) -> str:

@@ -23,7 +23,7 @@ from .config import SimConfig
 from .modes import make_handoff
 from .node import run_ranks
 from .registrar import RegistrarReport, serve
-from .report import RankReport, Summary, summarize
+from .report import RankReport, Summary, server_words, summarize
 
 Progress = Callable[[int], None]
 CLIENT_TIMEOUT_S = 5.0
@@ -42,9 +42,9 @@ def simulate(config: SimConfig, progress: Progress | None = None) -> Summary:
     else:
         ranks, registrar, extra = _processes(config, run_id, tick)
         processes = config.instances * config.ranks + 1
-    return summarize(
-        config.mode.value, config.seed, processes, time.monotonic() - started, ranks, registrar.register_ms, extra
-    )
+    elapsed = time.monotonic() - started
+    where = server_words(config.url)
+    return summarize(config.mode.value, config.seed, processes, elapsed, ranks, registrar.register_ms, extra, where)
 
 
 def require_shared(config: SimConfig, role: str) -> None:
@@ -54,10 +54,13 @@ def require_shared(config: SimConfig, role: str) -> None:
 
 
 def preflight(config: SimConfig) -> None:
-    """Reach Redis once: unreachable is one BufferUnavailable here, not a crash per process."""
+    """Reach Redis once: unreachable is one BufferUnavailable here, not a crash per process;
+    and read its servers here, so that a setting that can lose signals is warned about by the
+    process that starts the others (``server.said``), before any of them runs."""
     if not config.in_process:
         with SignalBuffer.from_url(config.url, namespace=config.namespace) as probe:
             probe.now_ms()
+            probe.server_policies()
 
 
 def _messages_client(config: SimConfig) -> Any:
@@ -227,4 +230,5 @@ def node_summary(config: SimConfig, instance: str, tick: Progress | None = None)
     require_shared(config, "node")
     started = time.monotonic()
     reports = run_node(config, secrets.token_hex(3), instance, list(range(config.ranks)), tick or (lambda _n: None))
-    return summarize(config.mode.value, config.seed, 1, time.monotonic() - started, reports, [], [])
+    elapsed = time.monotonic() - started
+    return summarize(config.mode.value, config.seed, 1, elapsed, reports, [], [], server_words(config.url))
