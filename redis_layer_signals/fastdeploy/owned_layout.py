@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import IdentityTaken, OwnershipLost
 from ..models import CacheTask, FinishResult
-from ..protocol.calls import new_token
+from ..protocol.calls import Claim, new_token
 from ..protocol.replies import text
 from .context import STATS_DEGRADED_MS, STATS_RECONCILED, STATS_SERVED_LOCALLY, Batch, RankContext
 from .group import GroupQueue, Progress
@@ -37,6 +37,8 @@ from .owner import OwnedRank
 from .signals import SIGNAL_LAYER
 from .voting import GroupVoter
 
+NO_CLAIM = Claim("", 0, "")
+"""What a batch carries when the writer holds no claim (never sent: the claim is checked first)."""
 OFFSET_MAX_ROUND_TRIP_S = 1.0
 """A reply that took longer (resent after errors) says too little about the clocks' offset."""
 
@@ -386,7 +388,8 @@ class OwnedLayout:
         with ctx.wake:
             if self._refusal is None:
                 self._refusals += 1
-            self._refusal = error
+            if not isinstance(self._refusal, OwnershipLost):  # what ``claimed`` raises: the loss
+                self._refusal = error
             self._claim = "refused"
             self._adopted = False
             if ctx.degraded_since is not None:
@@ -491,16 +494,21 @@ class OwnedLayout:
                 self._pending_since = None
             keys = buffer.protocol.keys.rank(ctx.instance, ctx.rank)
             self._batches += 1
+            claim = identity.held()
+            prepared = buffer.protocol.apply(
+                keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches, claim or NO_CLAIM
+            )
             every_slot = False
             while True:
                 try:
                     self._renew(before_write=True)  # no write without the lease (OwnershipLost)
-                    claim = identity.held()
-                    if claim is None:  # lost meanwhile (the group's call was refused)
-                        raise identity.lost(None)
-                    prepared = buffer.protocol.apply(
-                        keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches, claim
-                    )
+                    if identity.held() is not claim:  # claimed anew (Redis lost the key), or lost
+                        claim = identity.held()
+                        if claim is None:  # the group's call was refused: another owns the rank
+                            raise identity.lost(None)
+                        prepared = buffer.protocol.apply(
+                            keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches, claim
+                        )
                     sent = time.monotonic()
                     applied = buffer.apply(prepared)
                     received = time.monotonic()
