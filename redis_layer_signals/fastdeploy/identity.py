@@ -236,6 +236,10 @@ class IdentityClaim:
         with self._lock:
             return time.monotonic() + seconds < self._valid_until
 
+    def holds(self) -> bool:
+        """The lease holds now (by this host's monotonic clock): the process surely owns the rank."""
+        return self.valid_for(0)
+
     def renewal_due(self) -> bool:
         """A third of the lease has passed since the last attempt to claim or renew."""
         with self._lock:

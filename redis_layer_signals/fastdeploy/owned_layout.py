@@ -118,7 +118,7 @@ class OwnedLayout:
         with ctx.lock:
             # An early signal Redis holds is handed out only while the claim surely holds (see
             # ``identity``): past it, another owner may have adopted the signal.
-            taken_from, tokens, reason = self.owned.register(task, ctx.mono_ms(), self.identity.valid_for(0))
+            taken_from, tokens, reason = self.owned.register(task, ctx.mono_ms(), self.identity.holds)
             self._decided("on_cache_task")
             if taken_from is not None:
                 ctx.log_takeover(task, taken_from)

@@ -151,14 +151,14 @@ class OwnedRank:
         return to_queue, suppressed
 
     def register(
-        self, task: CacheTask, now_ms: int, shared_usable: bool = True
+        self, task: CacheTask, now_ms: int, shared_usable: Callable[[], bool] = lambda: True
     ) -> tuple[str | None, int | None, DropReason | None]:
         """Make ``task`` the slot's holder and pop its early signal, as register.lua does.
         Returns (the request it took the slot from or None, the early signal's tokens or None,
         why it must not be sent or None: else the caller queues it, counted as queued for the
-        task). The same request again changes nothing (``reregistered``). Without
-        ``shared_usable`` (the process's lease on the rank may have ended), an early signal that
-        Redis holds stays where it is (``held_back``): another owner may have adopted it."""
+        task). The same request again changes nothing (``reregistered``). When ``shared_usable()``
+        says no (the process's lease on the rank may have ended), an early signal that Redis
+        holds stays where it is (``held_back``): another owner may have adopted it."""
         self.expire(now_ms)
         self.decisions += 1
         slot = task.slot
@@ -178,7 +178,7 @@ class OwnedRank:
         early = self._early.get(slot)
         if early is None:
             return taken_from, None, None
-        if not shared_usable and self._redis_pending.get(slot) == early:
+        if self._redis_pending.get(slot) == early and not shared_usable():
             self.held_back.add(slot)
             return taken_from, None, None
         reason = self._pop_for(local, early, now_ms)
