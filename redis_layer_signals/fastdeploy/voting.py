@@ -56,7 +56,10 @@ class GroupVoter:
         """The rank's claim: its token tells the group which process speaks for the member (a
         new one: the ranks started again), its generation lets the fence refuse a stale one."""
         self.unreachable = False
-        """The last call failed: give-ups wait for Redis (releases do not)."""
+        """The last call failed, or could not be made without a claim: give-ups wait for Redis
+        (releases do not)."""
+        self._warned = False
+        """The failure was logged (once, until a call succeeds)."""
         self._reported: int | None = None
         """The ``handled`` the group last heard from this rank (None: nothing heard yet)."""
         self._reported_at = 0.0
@@ -100,7 +103,10 @@ class GroupVoter:
             return
         claim = self.identity.held()
         if claim is None:
-            return  # the process does not own its rank (yet, or any more): it writes nothing
+            # The process does not own its rank (Redis has not answered its claim yet, or another
+            # process holds the rank): it writes nothing, and a give-up waits as for an outage.
+            self.unreachable = True
+            return
         protocol = bridge.buffer.protocol
         sent = [*votes, *self._abandoned]
         prepared = protocol.group(self.keys, self.nranks, self.member, claim, handled, sent)
@@ -115,9 +121,9 @@ class GroupVoter:
                 bridge.rank,
             )
             return
-        if self.unreachable:
+        if self._warned:
             bridge.logger.warning("%s/%d: the tensor-parallel group's keys answer again", bridge.instance, bridge.rank)
-        self.unreachable = False
+        self.unreachable = self._warned = False
         if answer.reset and self._reported is not None:
             bridge.logger.warning(
                 "%s/%d: another process of this rank started in the tensor-parallel group: its keys were reset",
@@ -137,7 +143,8 @@ class GroupVoter:
             return  # the bridge closed (its buffer too, maybe) while this call was on its way
         with bridge.lock:
             bridge.errors["group"] += 1
-        if not self.unreachable:
+        if not self._warned:
+            self._warned = True
             bridge.logger.warning(
                 "%s/%d: the tensor-parallel group's keys cannot be reached (%s: %s): releases go on, "
                 "giving up on an entry waits until Redis answers",
