@@ -502,10 +502,11 @@ class OwnedLayout:
             while True:
                 try:
                     self._renew(before_write=True)  # no write without the lease (OwnershipLost)
-                    if identity.held() is not claim:  # claimed anew (Redis lost the key), or lost
-                        claim = identity.held()
-                        if claim is None:  # the group's call was refused: another owns the rank
-                            raise identity.lost(None)
+                    current = identity.held()
+                    if current is None:  # the group's call was refused: another owns the rank
+                        raise identity.lost(None)
+                    if current is not claim:  # claimed anew (Redis had lost the key)
+                        claim = current
                         prepared = buffer.protocol.apply(
                             keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches, claim
                         )
