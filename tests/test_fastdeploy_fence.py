@@ -23,6 +23,7 @@ from redis_layer_signals.fastdeploy.identity import CLAIMED, LAPSED, RENEWED, TA
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
 from redis_layer_signals.protocol.calls import Claim
 from redis_layer_signals.protocol.keys import RankKeys
+from tests.proxy import BLACK_HOLE, PASS, Proxy
 from tests.servers import RedisServer, wait_until
 
 LAYERS = 4
@@ -48,10 +49,15 @@ def drain(bridge: Layer0Bridge) -> list[Any]:
             return out
 
 
-@pytest.fixture(params=["fake", "real"])
+@pytest.fixture(params=["fake", "real", "cluster"])
 def fence_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """fakeredis, a redis-server, and a 3-primary Cluster (every key the fence reads and writes
+    comes in the call's keys, under the rank's hash tag)."""
     if request.param == "fake":
         yield f"memory://{uuid.uuid4().hex}"
+        return
+    if request.param == "cluster":
+        yield request.getfixturevalue("cluster").url
         return
     server = RedisServer().start()
     yield server.url
@@ -348,3 +354,33 @@ def test_a_wrong_host_clock_with_redis_unreachable_at_start_expires_nothing_and_
         bridge.close()
         buffer.close()
         server.cleanup()
+
+
+def test_a_task_registered_while_the_lease_may_have_ended_gets_its_signal_once_renewed(
+    server: RedisServer,
+) -> None:
+    """The price of the fence in an outage longer than the lease, when nobody else claims the
+    rank: a task that registers then does not get the early signal Redis holds at once (another
+    owner might have adopted it); the owner's next renewal proves it still owns the rank, and the
+    task gets it, once, and the counters balance."""
+    proxy = Proxy(server.port)
+    buffer = SignalBuffer.from_url(proxy.url, namespace=f"h-{uuid.uuid4().hex[:8]}", retry_s=0.3, env={})
+    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, probe_s=0.05, lease_s=LEASE_S)
+    try:
+        assert bridge.on_kv_signal(kv((5, 0, 128))) == []
+        assert bridge.flush(WAIT_S)
+        proxy.mode = BLACK_HOLE  # the replies vanish: the owner cannot tell whether it still owns
+        assert bridge.identity is not None
+        wait_until(lambda: not bridge.identity.holds(), WAIT_S, what="the lease to end by the owner's clock")
+        assert bridge.on_cache_task(cache_info(5, "req-1")) == []
+        proxy.mode = PASS
+        assert bridge.ready.get(timeout=WAIT_S) == [(5, 128)]
+        assert bridge.flush(WAIT_S)
+        assert drain(bridge) == []
+        stats = buffer.stats()
+        assert (stats["buffered"], stats["recovered"], stats.get("expired", 0)) == (1, 1, 0)
+        assert buffer.pending("p0", 0, 5) == []
+    finally:
+        bridge.close()
+        buffer.close()
+        proxy.close()
