@@ -24,9 +24,13 @@ each other's tasks and signals. So, top to bottom:
 4. **Lost.** The refused process turns that reply into ``OwnershipLost`` (``lost``): it logs
    one ERROR naming the new owner's host and pid, stops writing, and gives up the early signals
    Redis holds for the rank (the new owner adopted them). Until then, it hands out such a
-   signal only while its lease holds by its own monotonic clock (``shared_usable``), which ends
-   before the server's: the new owner can claim only after the server's lease ended, so no
-   early signal is handed out by both.
+   signal only while its lease holds by its own monotonic clock (``holds``), which ends before
+   the server's (it counts from when the claim was sent): the new owner can claim only after
+   the server's lease ended, so no early signal is handed out by both. A task that registers
+   past that point gets its signal at the next renewal, if the process still owns the rank.
+
+The lease is judged on clocks that do not jump: the server's (``TIME``, in the Lua) and this
+host's monotonic clock, never its wall clock.
 """
 
 from __future__ import annotations
