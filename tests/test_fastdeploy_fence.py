@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from redis_layer_signals import OwnershipLost, SignalBuffer
+from redis_layer_signals import CacheTask, OwnershipLost, SignalBuffer
 from redis_layer_signals.fastdeploy import Layer0Bridge
 from redis_layer_signals.fastdeploy.identity import CLAIMED, LAPSED, RENEWED, TAKEN, IdentityClaim
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
@@ -384,3 +384,39 @@ def test_a_task_registered_while_the_lease_may_have_ended_gets_its_signal_once_r
         bridge.close()
         buffer.close()
         proxy.close()
+
+
+@pytest.mark.parametrize("skew_s", [-120.0, 120.0], ids=["host-clock-behind", "host-clock-ahead"])
+def test_a_journaled_record_is_replayed_at_its_time_on_the_servers_clock_whatever_the_host_clock(
+    skew_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Redis judges (another process registers the tasks), a record served locally while
+    Redis was unreachable from the start is journaled with its time on the monotonic clock and
+    replayed at that time on the server's: with the host clock 120 s off, the signal is stored as
+    recorded a second ago, and a task registered elsewhere within ``pending_ttl_s`` recovers it."""
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew_s)
+    server = RedisServer()
+    namespace = f"j-{uuid.uuid4().hex[:8]}"
+    buffer = SignalBuffer.from_url(server.url, namespace=namespace, retry_s=0.3, env={})
+    bridge = Layer0Bridge(buffer, "p0", 0, num_layers=LAYERS, probe_s=0.05, registers_tasks=False)
+    registrar: SignalBuffer | None = None
+    try:
+        recorded_ms = real_time() * 1000
+        assert bridge.on_kv_signal(kv((5, 0, 128))) == []
+        assert bridge.health().degraded
+        time.sleep(1.0)
+        server.start()
+        assert bridge.flush(WAIT_S)
+        (signal,) = buffer.pending("p0", 0, 5)
+        assert abs(signal.recorded_at_ms - recorded_ms) < 5000, "replayed at the host's wall-clock time"
+        registrar = SignalBuffer.from_url(server.url, namespace=namespace, env={})
+        task = CacheTask(instance="p0", rank=0, slot=5, request_id="req-1", need_prefill_tokens=300, num_layers=LAYERS)
+        assert [(s.slot, s.tokens) for s in registrar.register(task).recovered] == [(5, 128)]
+        assert buffer.stats().get("expired", 0) == 0
+    finally:
+        bridge.close()
+        buffer.close()
+        if registrar is not None:
+            registrar.close()
+        server.cleanup()
