@@ -30,8 +30,11 @@
 --   ended    hash    "<slot>" -> "<finished at ms>|<request id>": the slot's latest finish
 --                    (finish.lua writes it, a replayed record reads it)
 --   writer   string  "<batch>|<reply>": the last batch one bridge process applied (apply.lua)
---   identity string  "<token>|<host>|<pid>|<pid namespace>|<claimed at ms>": the bridge
---                    process that owns the rank, under a lease (claim.lua)
+--   identity string  "<token>|<host>|<pid>|<pid namespace>|<claimed at ms>|<lease until ms>|<generation>":
+--                    the claim of the bridge process that owns the rank (claim.lua); kept past
+--                    its lease, so that the next owner learns whom it replaced
+--   clash    string  "<token>|<host>|<pid>|<pid namespace>|<at ms>|<write or claim>": the last
+--                    process refused by the fence (see owner_fence), for the owner to log
 --
 -- group.lua alone uses the keys of one tensor-parallel group of an instance, under the hash tag
 -- {namespace/instance/tp<group>}: members, votes and outcomes (see its header).
@@ -192,6 +195,32 @@ local function keep_alive(key, partner, ttl, key_ttl)
       redis.call('PEXPIRE', partner, key_ttl)
     end
   end
+end
+
+-- The ownership fence: one identity, one owner. Every write an owner makes (apply, group, a
+-- claim's renewal) carries its claim, the token and generation claim.lua gave it, and calls
+-- this before writing anything. held is the claim Redis holds, "<token>|...|<generation>"
+-- (the identity key's value, or a group member's record), nil when none. True when the caller
+-- may write: no claim is held (the next renewal claims it again), the caller holds it, or the
+-- held one is older than the caller's (generations only grow). False: another process claimed
+-- the identity after the caller did; the caller writes nothing of the owner's and replies
+-- "fenced|<now>|<held claim>", after note_clash where the rank's keys are at hand.
+local function owner_fence(held, token, generation)
+  if not held then
+    return true
+  end
+  if string.match(held, '^([^|]*)|') == token then
+    return true
+  end
+  return (tonumber(string.match(held, '|(%d+)$')) or 0) < tonumber(generation)
+end
+
+-- A process refused the rank (by the fence, or a claim refused), noted for the owner: counted
+-- under counter, and kept in the clash key, which the owner's next renewal reads and logs
+-- (claim.lua). who is "<token>|<host>|<pid>|<pid namespace>"; what is "write" or "claim".
+local function note_clash(clash_key, stats_key, counter, who, now, what, kept_ms)
+  redis.call('HINCRBY', stats_key, counter, 1)
+  redis.call('SET', clash_key, who .. '|' .. fmt(now) .. '|' .. what, 'PX', kept_ms)
 end
 
 -- Count and remove pending signals whose deadline has passed. Visits at most `limit_arg`

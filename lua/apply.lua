@@ -10,19 +10,26 @@
 -- keys[4] stats    hash    counters (no TTL)
 -- keys[5] writer   string  "<batch>|<reply>": the last batch this writer's process applied
 --                          and its reply (one key per writing process, not one per call)
+-- keys[6] identity string  the claim of the process that owns the rank (claim.lua)
+-- keys[7] clash    string  the last process the fence refused (owner_fence in _lib.lua)
 -- args[1] now_ms (empty: server TIME)   args[2] layer of the pending signals
 -- args[3] pending_ttl_ms                args[4] pending key TTL in ms (pending_ttl + grace)
 -- args[5] task_ttl_ms                   args[6] live key TTL in ms (task_ttl + grace)
 -- args[7] writer key TTL in ms          args[8] batch: the writer's sequence number of this call
 -- args[9] counters to add, "<name>=<n>;" each: decisions on signals and tasks Redis never saw
--- args[10...] eight per slot:
+-- args[10] the writer's claim: its token    args[11] its claim's generation
+-- args[12] "<host>|<pid>|<pid namespace>" of the writer, noted when the fence refuses it
+-- args[13] clash key TTL in ms
+-- args[14...] eight per slot:
 --   slot; prior: the request id the process last wrote as the slot's holder ('' none, '?'
 --   unknown); lease: the live entry, "<deadline ms16>|<request id>" ('' the slot has no task);
 --   document; recovery payload; pending: the slot's signal of args[2] as stored,
 --   "tokens,request_id,recorded_at,deadline" ('' none); fate: a counter counted once if the
 --   field still holds the value in the next argument ('' none); that value.
 --
--- Reply: "ok|<now ms>|<overridden>,<tasks>,<pending>": overridden, the slots whose holder in
+-- Reply: "fenced|<now ms>|<the identity's claim>" when another process claimed the rank after
+-- the writer did (owner_fence): nothing of the batch was written, the refusal is counted
+-- ("ownership_fenced") and noted for the owner. Else "ok|<now ms>|<overridden>,<tasks>,<pending>": overridden, the slots whose holder in
 -- Redis was not the one the process last wrote there (a restart, a failover, a holder left by
 -- a dead process), each also counted under "overridden"; then the tasks and the pending
 -- signals the rank holds after this call, which the process compares with what it believes
@@ -35,7 +42,8 @@
 -- process decides expiries and sends them as fates). The writer sends its batches one at a
 -- time, numbered, and resends one until it has the reply: a resend of the batch the writer key
 -- names returns the first reply and writes nothing new, however long the outage that delayed
--- it (a per-call reply key would expire, and the resend would add the counters again). Work
+-- it (a per-call reply key would expire, and the resend would add the counters again): a batch
+-- applied while the writer owned the rank stays applied, and the fence judges only new ones. Work
 -- is bounded by the slots listed (one HGET of the live hash and at most two of the pending
 -- hash each).
 
@@ -52,6 +60,11 @@ local function apply(keys, args)
   end
 
   local now = now_ms(args[1])
+  local held = redis.call('GET', keys[6])
+  if not owner_fence(held, args[10], args[11]) then
+    note_clash(keys[7], stats_key, 'ownership_fenced', args[10] .. '|' .. args[12], now, 'write', tonumber(args[13]))
+    return 'fenced|' .. fmt(now) .. '|' .. held
+  end
   local layer = args[2]
   local pending_ttl, task_ttl = tonumber(args[3]), tonumber(args[5])
 
@@ -61,7 +74,7 @@ local function apply(keys, args)
 
   local overridden, live_set, live_deleted, pending_set, pending_deleted = 0, false, false, false, {}
   local zadd = {'LT'}
-  for first = 10, #args, SLOT_ARGS do
+  for first = 14, #args, SLOT_ARGS do
     local slot, prior, lease, doc, recovery, signal, fate, fated = unpack(args, first, first + SLOT_ARGS - 1)
 
     local current = redis.call('HGET', live_key, slot)

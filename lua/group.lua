@@ -6,18 +6,21 @@
 -- rank. One whose task has not registered after a while is voted on here: the rank never releases
 -- it on its own any more and asks the group instead.
 --
--- keys[1] members  hash    member -> "<token>|<handled>": the highest sequence number that
---                          member has handled (released, dropped or given up), -1 for none
+-- keys[1] members  hash    member -> "<token>|<handled>|<generation>": the highest sequence
+--                          number that member has handled (released, dropped or given up), -1
+--                          for none, and the claim (token, generation) of the rank it wrote under
 -- keys[2] votes    hash    sequence number -> ",<member>,<member>,": the members that voted to
 --                          give it up
 -- keys[3] outcomes hash    sequence number -> "released" or "abandoned": final once written
 -- args[1] now_ms (empty: server TIME)   args[2] nranks: members in the group
--- args[3] member (0 .. nranks - 1)      args[4] token: the member's process, new at each start
+-- args[3] member (0 .. nranks - 1)      args[4] token: the claim's token of the member's rank
 -- args[5] handled: the member's highest handled sequence number (-1 for none)
--- args[6] key TTL in ms
--- args[7...] sequence numbers the member votes to give up (and asks the outcome of)
+-- args[6] key TTL in ms                 args[7] the generation of the rank's claim (claim.lua)
+-- args[8...] sequence numbers the member votes to give up (and asks the outcome of)
 --
--- Reply: "ok|<now ms>|<reset>;<outcome>,<outcome>,...": reset is 1 when the member came with a
+-- Reply: "fenced|<now ms>|<the member's record>" when a later claim of the rank wrote here
+-- (owner_fence in _lib.lua): the caller lost its rank, and nothing was written. Else
+-- "ok|<now ms>|<reset>;<outcome>,<outcome>,...": reset is 1 when the member came with a
 -- token the group did not know (see below), else 0; then one outcome per voted sequence
 -- number, in order: "released", "abandoned" or "open" (ask again later).
 --
@@ -28,8 +31,10 @@
 -- both cannot hold; the first that holds is written to outcomes and answered from then on. A
 -- member reports "handled" only past an entry it voted on once its vote is in, so the mark never
 -- tells of a release that did not happen. Votes and repeats are idempotent (a resend, a poll).
--- Sequence numbers restart at 0 with the processes: a member whose stored token differs from
--- the one it sends started again, and every key of the group is reset (all ranks of an instance
+-- A member writes only under its rank's claim: one whose claim is older than the one the member
+-- last wrote under is refused (owner_fence), so a process that lost its rank to another
+-- changes nothing of the group. Sequence numbers restart at 0 with the processes: a member
+-- whose stored token differs from the one it sends (a newer claim) started again, and every key of the group is reset (all ranks of an instance
 -- start together, long before any of them gives up on an entry). Every key carries the TTL of
 -- args[6], refreshed by each call. Work is bounded by nranks and the sequence numbers sent.
 
@@ -40,11 +45,14 @@ local function group(keys, args)
 
   local reset = 0
   local stored = redis.call('HGET', members_key, member)
+  if not owner_fence(stored, token, args[7]) then
+    return 'fenced|' .. fmt(now) .. '|' .. stored
+  end
   if stored and string.match(stored, '^([^|]*)|') ~= token then
     redis.call('DEL', members_key, votes_key, outcomes_key)
     reset = 1
   end
-  redis.call('HSET', members_key, member, token .. '|' .. handled)
+  redis.call('HSET', members_key, member, token .. '|' .. handled .. '|' .. args[7])
 
   -- Each member's highest handled sequence number, -1 for a member not heard from yet.
   local names = {}
@@ -54,11 +62,11 @@ local function group(keys, args)
   local marks = redis.call('HMGET', members_key, unpack(names))
   local handled_by = {}
   for i, name in ipairs(names) do
-    handled_by[name] = marks[i] and tonumber(string.match(marks[i], '|(-?%d+)$')) or -1
+    handled_by[name] = marks[i] and tonumber(string.match(marks[i], '^[^|]*|(-?%d+)')) or -1
   end
 
   local outcomes = {}
-  for i = 7, #args do
+  for i = 8, #args do
     local seq = args[i]
     local outcome = redis.call('HGET', outcomes_key, seq)
     if not outcome then

@@ -164,6 +164,25 @@ class IdentityTaken(SignalBufferError):
         )
 
 
+class OwnershipLost(IdentityTaken):
+    """This process owned its (instance, rank) and another claimed it since (this one's lease
+    ran out while it could not reach Redis, or the other proved it gone): the server refused
+    this process's write or renewal, and nothing of it landed. The bridge stops writing, gives
+    up what Redis held for the rank (its new owner's now) and serves its process locally, as a
+    refused claimant does. ``holder`` names the new owner (host and pid)."""
+
+    def __init__(self, instance: str, rank: int, holder: str, claimant: str, refused: str = "write") -> None:
+        super().__init__(instance, rank, holder, claimant)
+        self.refused = refused
+        self.args = (
+            f"{instance}/{rank}: this process, {claimant}, lost its identity to {holder}, which claimed "
+            f"it after this one's lease ran out: its {refused} was refused by Redis and nothing of it "
+            "landed. This process stops writing, no longer hands out the early signals Redis holds "
+            "for the rank, and serves its process locally; two messagers serve one identity "
+            "(same instance name and rank)",
+        )
+
+
 FAILURES: tuple[type[BaseException], ...] = (rx.OutOfMemoryError, rx.NoPermissionError, rx.RedisClusterException)
 """What a sync call may end with that ``raise_ours`` turns into our errors."""
 

@@ -195,6 +195,7 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
         "RlsBridgeRanDegraded",
         "RlsBridgeErrors",
         "RlsIdentityRefused",
+        "RlsOwnershipFenced",
         "RlsExporterCannotReachRedis",
         "RlsServerMayEvict",
         "RlsServerEvictedKeys",

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from redis_layer_signals import CacheTask, DropReason, SignalBuffer
 from redis_layer_signals.fastdeploy.group import GroupQueue, Outcome, Progress
+from redis_layer_signals.protocol.calls import Claim
 
 GIVE_UP_S = 10.0
 Workload = tuple[list[list[tuple[int, int]]], list[CacheTask]]
@@ -55,10 +56,10 @@ class LuaGroup:
         self.nranks = nranks
         self.buffer = SignalBuffer.from_url(f"memory://{uuid.uuid4().hex}", namespace="g", env={})
         self.keys = self.buffer.protocol.keys.group("p0", 0)
-        self.tokens = [f"rank{member}" for member in range(nranks)]
+        self.claims = [Claim(f"rank{member}", 1, "host|1|") for member in range(nranks)]
 
     def call(self, member: int, handled: int, votes: list[int]) -> list[Outcome]:
-        prepared = self.buffer.protocol.group(self.keys, self.nranks, member, self.tokens[member], handled, votes)
+        prepared = self.buffer.protocol.group(self.keys, self.nranks, member, self.claims[member], handled, votes)
         return [Outcome(outcome) for outcome in self.buffer.execute(prepared).outcomes]
 
 

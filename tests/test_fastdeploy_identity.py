@@ -279,9 +279,11 @@ def test_a_second_messager_with_the_same_identity_is_refused_and_handed_nothing(
 
 
 def write_holder(buffer: SignalBuffer, host: str, pid: int, pid_ns: str, lease_ms: int) -> None:
-    """What a predecessor's claim leaves: its identity key, under its lease."""
+    """What a predecessor's claim leaves: its identity key, its lease running out ``lease_ms``
+    from now on the server's clock (generation 1)."""
     key = buffer.protocol.keys.rank("p0", 0).identity
-    buffer.client.set(key, f"predecessor|{host}|{pid}|{pid_ns}|0", px=lease_ms)
+    lease_until = buffer.now_ms() + lease_ms
+    buffer.client.set(key, f"predecessor|{host}|{pid}|{pid_ns}|0|{lease_until}|1", px=lease_ms * 10)
 
 
 def test_a_restart_takes_over_once_the_predecessors_lease_ran_out(server: RedisServer, namespace: str) -> None:

@@ -67,8 +67,10 @@ class RankContext:
         self.closed = threading.Event()
         self.local = LocalState()
         self.pending_ttl_ms = round(buffer.config.pending_ttl_s * 1000)
-        self.offset_ms = 0
-        """The server's clock minus this host's, from the last reply (the decisions' time)."""
+        self.offset_ms: int | None = None
+        """The server's clock minus this host's monotonic clock, from a reply (None until one
+        came): what turns the time of a decision into the server's time. Never this host's wall
+        clock, which may be off by minutes and jump when it is corrected."""
         self.degraded_since: float | None = None
         self.degraded_total = 0.0
         self.episodes = 0
@@ -90,13 +92,33 @@ class RankContext:
             return source  # type: ignore[return-value]
         return source()
 
-    def server_ms(self) -> int:
-        """Now on the server's clock: the buffer's injected clock, else this host's clock
-        corrected by the offset the last reply showed."""
+    def mono_ms(self) -> int:
+        """Now, for a decision: this host's monotonic clock in ms (the buffer's injected clock,
+        which stands for the server's, in tests). Ages and expiries decided in the process are
+        measured on it, so a wrong or corrected wall clock changes none of them."""
         clock = self.buffer.protocol.clock
         if clock is not None:
             return int(clock())
-        return int(time.time() * 1000) + self.offset_ms
+        return int(time.monotonic() * 1000)
+
+    def anchored(self) -> bool:
+        """The offset to the server's clock is known (a reply came), or the clock is injected."""
+        return self.offset_ms is not None or self.buffer.protocol.clock is not None
+
+    def anchor(self, server_ms: int, sent_s: float, received_s: float) -> None:
+        """Keep the offset a reply showed: the server read ``server_ms`` about halfway between
+        ``sent_s`` and ``received_s`` (``time.monotonic``). Nothing with an injected clock."""
+        if self.buffer.protocol.clock is None:
+            self.offset_ms = server_ms - round((sent_s + received_s) / 2 * 1000)
+
+    def to_server(self, mono_ms: int) -> int:
+        """A ``mono_ms`` time on the server's clock (the offset of the last reply; the caller
+        has one: see ``anchored``)."""
+        return mono_ms + (self.offset_ms or 0)
+
+    def to_mono(self, server_ms: int) -> int:
+        """The inverse of ``to_server``: a time Redis stores, on this host's monotonic clock."""
+        return server_ms - (self.offset_ms or 0)
 
     # -- episodes --------------------------------------------------------------------------
 

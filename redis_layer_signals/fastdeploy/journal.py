@@ -2,7 +2,9 @@
 
 Each hook call served locally appends one operation. Once Redis answers again, the operations
 are replayed in their order through the buffer's ordinary calls, each as of the time it was
-decided (on the server's clock), so a replay never changes a decision: a signal keeps the time
+decided (kept on this host's monotonic clock, and turned into the server's time when it is
+replayed, with the offset a reply showed: a host wall clock off by minutes changes nothing),
+so a replay never changes a decision: a signal keeps the time
 it was first recorded (one whose TTL ran out during the outage stays expired, one that met its
 task in time stays in time, whichever process writes back first), and a task its registration
 time. Redis ends where it would have been had it answered all along: the same tasks live, the
@@ -13,6 +15,7 @@ and what a replay hands out is queued by the process that replays it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +30,8 @@ class RecordOp:
     """A layer-0 batch recorded locally: ``(slot, tokens[, request_id])`` entries."""
 
     entries: tuple[tuple[Any, ...], ...]
-    at_ms: int | None = None
-    """When it was recorded, on the server's clock."""
+    at_mono_ms: int | None = None
+    """When it was recorded, on the monotonic clock (``RankContext.mono_ms``)."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,8 @@ class RegisterOp:
     """A task registered locally (overwriting the slot's holder, as FastDeploy does)."""
 
     task: CacheTask
-    at_ms: int | None = None
-    """When it was registered, on the server's clock."""
+    at_mono_ms: int | None = None
+    """When it was registered, on the monotonic clock."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class FinishOp:
 
     slot: int
     request_id: str
-    at_ms: int | None = None
+    at_mono_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,29 +65,33 @@ class PendingCall:
 Operation = RecordOp | RegisterOp | FinishOp | PendingCall
 
 
-def replay(buffer: SignalBuffer, instance: str, rank: int, op: Operation) -> list[tuple[int, int]]:
-    """Run one journaled operation on Redis; returns the layer-0 entries Redis handed out
-    (delivered by a record, recovered by a register), which the caller queues only when this
-    process could not have handed them out itself."""
+def replay(
+    buffer: SignalBuffer, instance: str, rank: int, op: Operation, to_server: Callable[[int], int]
+) -> list[tuple[int, int]]:
+    """Run one journaled operation on Redis, as of its time turned into the server's
+    (``to_server``); returns the layer-0 entries Redis handed out (delivered by a record,
+    recovered by a register), which the caller queues only when this process could not have
+    handed them out itself."""
     if isinstance(op, PendingCall):
         try:
             result = op.future.result()
         except Exception:
-            return replay(buffer, instance, rank, op.fallback)
+            return replay(buffer, instance, rank, op.fallback, to_server)
         if isinstance(result, RecordResult):
             return [(s.slot, s.tokens) for s in result.delivered]
         if isinstance(result, RegisterResult) and not result.repeated:
             return [(s.slot, s.tokens) for s in result.recovered if s.layer == SIGNAL_LAYER]
         return []
+    at_ms = None if op.at_mono_ms is None else to_server(op.at_mono_ms)
     if isinstance(op, RecordOp):
-        result = buffer.record(instance, rank, SIGNAL_LAYER, list(op.entries), at_ms=op.at_ms)
+        result = buffer.record(instance, rank, SIGNAL_LAYER, list(op.entries), at_ms=at_ms)
         return [(s.slot, s.tokens) for s in result.delivered]
     if isinstance(op, RegisterOp):
-        registered = buffer.register(op.task, replace=True, at_ms=op.at_ms)
+        registered = buffer.register(op.task, replace=True, at_ms=at_ms)
         if registered.repeated:
             return []
         return [(s.slot, s.tokens) for s in registered.recovered if s.layer == SIGNAL_LAYER]
-    buffer.finish(instance, rank, op.slot, op.request_id, at_ms=op.at_ms)
+    buffer.finish(instance, rank, op.slot, op.request_id, at_ms=at_ms)
     return []
 
 

@@ -33,9 +33,10 @@ class LocalTask:
     signal at or below it is already covered: queueing it again would resend its blocks, or
     reach the sender after the request finished."""
     registered_at_ms: int = 0
-    """When the process registered it, on the server's clock (its lease runs from then)."""
-    recovery: str = ""
-    """What its registration popped, as register.lua keeps it (see ``owner``)."""
+    """When the process registered it, on its monotonic clock (its lease runs from then)."""
+    recovery: tuple[int, str | None, int, str] | None = None
+    """What its registration popped (see ``owner``): tokens, request id, recorded at
+    (monotonic ms) and the drop reason ('' recovered); None when it popped nothing."""
 
 
 @dataclass(slots=True)

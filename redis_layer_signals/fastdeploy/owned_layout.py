@@ -16,17 +16,28 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import IdentityTaken
+from ..errors import IdentityTaken, OwnershipLost
 from ..models import CacheTask, FinishResult
-from ..protocol.calls import new_token
+from ..protocol.calls import Claim, new_token
 from ..protocol.replies import text
 from .context import STATS_DEGRADED_MS, STATS_RECONCILED, STATS_SERVED_LOCALLY, Batch, RankContext
 from .group import GroupQueue, Progress
-from .identity import TAKEN, TOOK, ClaimResult, IdentityClaim, release_quietly
+from .identity import (
+    LAPSED,
+    TAKEN,
+    TOOK,
+    ClaimResult,
+    IdentityClaim,
+    clash_message,
+    lapsed_message,
+    release_quietly,
+)
 from .owner import OwnedRank
 from .signals import SIGNAL_LAYER
 from .voting import GroupVoter
 
+NO_CLAIM = Claim("", 0, "")
+"""What a batch carries when the writer holds no claim (never sent: the claim is checked first)."""
 OFFSET_MAX_ROUND_TRIP_S = 1.0
 """A reply that took longer (resent after errors) says too little about the clocks' offset."""
 
@@ -78,7 +89,7 @@ class OwnedLayout:
         self._voter: GroupVoter | None = None
         if nranks > 1:
             self.group = GroupQueue(give_up_s=buffer.config.pending_ttl_s)
-            self._voter = GroupVoter(ctx, self.settle_group, self.group, nranks, interval_s=ctx.probe_s)
+            self._voter = GroupVoter(ctx, self.settle_group, self.group, nranks, ctx.probe_s, self.identity)
         self._writer = threading.Thread(target=self._write_loop, name="rls-writer", daemon=True)
         self._writer.start()
         if self._voter is not None:
@@ -94,7 +105,7 @@ class OwnedLayout:
                 progress = self.group.arrive(pairs, request_ids, time.monotonic())
                 self._decided("on_kv_signal")
                 return self.settle_group(progress, first, len(pairs))
-            queued, suppressed = self.owned.record(pairs, request_ids, ctx.server_ms())
+            queued, suppressed = self.owned.record(pairs, request_ids, ctx.mono_ms())
             if queued:
                 ctx.ready.put(queued)
             ctx.suppressed += suppressed
@@ -104,7 +115,9 @@ class OwnedLayout:
     def register(self, task: CacheTask) -> Batch:
         ctx = self.ctx
         with ctx.lock:
-            taken_from, tokens, reason = self.owned.register(task, ctx.server_ms())
+            # An early signal Redis holds is handed out only while the claim surely holds (see
+            # ``identity``): past it, another owner may have adopted the signal.
+            taken_from, tokens, reason = self.owned.register(task, ctx.mono_ms(), self.identity.holds)
             self._decided("on_cache_task")
             if taken_from is not None:
                 ctx.log_takeover(task, taken_from)
@@ -126,7 +139,7 @@ class OwnedLayout:
     def finish(self, slot: int, request_id: str) -> FinishResult:
         ctx = self.ctx
         with ctx.lock:
-            outcome = self.owned.finish(slot, request_id, ctx.server_ms())
+            outcome = self.owned.finish(slot, request_id, ctx.mono_ms())
             if self.group is not None:
                 self.group.finished(slot, request_id)
             self._decided("on_task_finished")
@@ -265,6 +278,8 @@ class OwnedLayout:
                 ctx.rank,
                 claim.holder.describe(),
             )
+        elif claim.outcome == LAPSED:
+            ctx.logger.warning("%s", lapsed_message(ctx.instance, ctx.rank, claim))
         elif self._refusal is not None:
             ctx.logger.warning(
                 "%s/%d: claimed the identity %s held (its lease ran out)",
@@ -276,9 +291,9 @@ class OwnedLayout:
         keys = buffer.protocol.keys.rank(ctx.instance, ctx.rank)
         pending_raw = buffer.client.hgetall(keys.pending)
         live_raw = buffer.client.hgetall(keys.live)
-        sent = time.time()
+        sent = time.monotonic()
         now = buffer.now_ms()
-        midway = (sent + time.time()) / 2
+        received = time.monotonic()
         pending: dict[int, str] = {}
         suffix = f":{SIGNAL_LAYER}"
         for field, value in pending_raw.items():
@@ -287,11 +302,11 @@ class OwnedLayout:
                 pending[int(name[: -len(suffix)])] = value_text
         holders = {int(text(f)): text(v)[17:] for f, v in live_raw.items() if text(f).isdigit()}
         with ctx.lock:
-            if buffer.protocol.clock is None:
-                ctx.offset_ms = now - int(midway * 1000)
-            late = self.owned.adopt(pending, holders, ctx.server_ms(), keep_early=self.group is None)
+            ctx.anchor(now, sent, received)
+            late = self.owned.adopt(pending, holders, ctx.mono_ms(), ctx.to_mono, keep_early=self.group is None)
             if late:
                 ctx.ready.put(late)
+            self._settle_held_back()
             if self.owned.unwritten() and self._pending_since is None:
                 self._pending_since = time.monotonic()
             if self._refusal is not None:
@@ -303,16 +318,17 @@ class OwnedLayout:
         """The writer thread, until the bridge closes: claims the identity and adopts, then
         writes. A bug of its own is logged and counted (``health().errors["writer"]``) and the
         writer goes on: the batch it held is sent with the next, which lists every slot of the
-        rank. An identity lost to another process (its lease ran out meanwhile) is claimed
-        again, as at start."""
+        rank. An identity lost to another process (its lease ran out meanwhile: the server
+        refused a write or a renewal) is claimed again, as at start."""
         if not self._start():
             return
         while True:
             try:
                 self._write_batches()
                 return
-            except IdentityTaken:
+            except OwnershipLost as lost:
                 self._give_back()
+                self._lose(lost)
                 if not self._start():
                     return
             except Exception as exc:
@@ -371,7 +387,8 @@ class OwnedLayout:
         with ctx.wake:
             if self._refusal is None:
                 self._refusals += 1
-            self._refusal = error
+            if not isinstance(self._refusal, OwnershipLost):  # what ``claimed`` raises: the loss
+                self._refusal = error
             self._claim = "refused"
             self._adopted = False
             if ctx.degraded_since is not None:
@@ -381,26 +398,67 @@ class OwnedLayout:
                 self.owned.counts[STATS_SERVED_LOCALLY] += calls
             ctx.wake.notify_all()
 
+    def _lose(self, lost: OwnershipLost) -> None:
+        """The server refused this process's write or renewal: another process claimed the rank
+        since. Say so once (ERROR, naming it), give up what Redis holds for the rank (the new
+        owner's now: no early signal handed out by both) and serve the process locally, as a
+        refused claimant does; the writer then claims again every third of the lease."""
+        ctx = self.ctx
+        ctx.logger.error("%s", lost)
+        with ctx.wake:
+            given_up = self.owned.disown()
+            if self._refusal is None:
+                self._refusals += 1
+            self._refusal = lost
+            self._claim = "refused"
+            self._adopted = False
+            ctx.wake.notify_all()
+        if given_up:
+            ctx.logger.warning(
+                "%s/%d: gave up %d early signals Redis holds for the rank: its new owner hands them out",
+                ctx.instance,
+                ctx.rank,
+                given_up,
+            )
+
+    def _settle_held_back(self) -> None:
+        """Under the lock, the claim just renewed: early signals held back from their tasks
+        while it might have lapsed go to them now (see ``OwnedRank.settle_held_back``)."""
+        if not self.owned.held_back:
+            return
+        ctx = self.ctx
+        queued, dropped = self.owned.settle_held_back(ctx.mono_ms())
+        for task, tokens, reason in dropped:
+            ctx.log_dropped(task, tokens, reason)
+        if queued:
+            ctx.ready.put(queued)
+        self.owned.decisions += 1
+        if self._pending_since is None:
+            self._pending_since = time.monotonic()
+
     def _renew(self, before_write: bool) -> None:
-        """Renew the claim; raises ``IdentityTaken`` when another process holds it now (this
+        """Renew the claim; raises ``OwnershipLost`` when another process holds it now (this
         one's lease ran out meanwhile), what the call raises when Redis does not answer.
-        ``before_write``: only when the lease might end before a write sent now is done."""
+        ``before_write``: only when the lease might end before a write sent now is done. A
+        process the server refused the rank since is logged, naming it."""
         if before_write and self.identity.valid_for(self.ctx.buffer.config.retry_s + self.ctx.probe_s):
             return
         if not before_write and not self.identity.renewal_due():
             return
         result = self.identity.claim(count_refusal=True)
         if result.outcome == TAKEN:
-            self._refused(result, first=True)
-            assert self._refusal is not None
-            raise self._refusal
+            raise self.identity.lost(result.holder, "renewal")
+        if result.clash is not None:
+            self.ctx.logger.error("%s", clash_message(self.ctx.instance, self.ctx.rank, self.identity.me, result.clash))
+        with self.ctx.lock:
+            self._settle_held_back()
 
     def _renew_quietly(self) -> None:
         """The idle writer's renewal: a Redis that does not answer is tried again later (the
         lease is checked again before the next write)."""
         try:
             self._renew(before_write=False)
-        except IdentityTaken:
+        except OwnershipLost:
             raise
         except Exception as exc:
             self.ctx.logger.debug(
@@ -422,31 +480,41 @@ class OwnedLayout:
                     self._writer_waits = True
                     ctx.wake.wait(ctx.probe_s)
                     self._writer_waits = False
-                    owned.expire(ctx.server_ms())  # the local sweep, also when the rank is idle
+                    owned.expire(ctx.mono_ms())  # the local sweep, also when the rank is idle
                 if ctx.closed.is_set():
                     return
                 if not (owned.unwritten() or self._resync or ctx.degraded_since):
                     continue  # woke to renew the lease
                 started = self._pending_since or time.monotonic()
-                batch = owned.take(every_slot, range(buffer.config.max_slots) if self._resync else range(0))
+                also = range(buffer.config.max_slots) if self._resync else range(0)
+                batch = owned.take(ctx.to_server, every_slot, also)
                 self._resync = False
                 self._in_flight = (started, batch.decisions)
                 self._pending_since = None
             keys = buffer.protocol.keys.rank(ctx.instance, ctx.rank)
             self._batches += 1
+            claim = identity.held()
             prepared = buffer.protocol.apply(
-                keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches
+                keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches, claim or NO_CLAIM
             )
             every_slot = False
             while True:
                 try:
-                    self._renew(before_write=True)  # no write without the lease (IdentityTaken)
-                    sent = time.time()
+                    self._renew(before_write=True)  # no write without the lease (OwnershipLost)
+                    current = identity.held()
+                    if current is None:  # the group's call was refused: another owns the rank
+                        raise identity.lost(None)
+                    if current is not claim:  # claimed anew (Redis had lost the key)
+                        claim = current
+                        prepared = buffer.protocol.apply(
+                            keys, SIGNAL_LAYER, batch.counts, batch.slots, self._writer_token, self._batches, claim
+                        )
+                    sent = time.monotonic()
                     applied = buffer.apply(prepared)
-                    took = time.time() - sent
-                    midway = sent + took / 2  # the server read its clock about halfway
+                    received = time.monotonic()
+                    identity.check_applied(applied.fenced_by)  # refused by the fence: OwnershipLost
                     break
-                except IdentityTaken:
+                except OwnershipLost:
                     raise
                 except Exception as exc:
                     self._outage(exc)
@@ -454,8 +522,8 @@ class OwnedLayout:
                     if ctx.closed.wait(ctx.probe_s):
                         return
             with ctx.wake:
-                if buffer.protocol.clock is None and took < OFFSET_MAX_ROUND_TRIP_S:
-                    ctx.offset_ms = applied.now_ms - int(midway * 1000)
+                if received - sent < OFFSET_MAX_ROUND_TRIP_S:
+                    ctx.anchor(applied.now_ms, sent, received)
                 self._in_flight = None
                 owned.written()
                 if (applied.tasks, applied.pending) != owned.believed() and not batch.everything:

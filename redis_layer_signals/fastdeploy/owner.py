@@ -5,7 +5,14 @@ rank). ``OwnedRank`` holds that rank's tasks and early layer-0 signals, decides 
 call with FastDeploy's semantics, and counts every decision as the Lua functions would count the
 same call (``delivered``, ``buffered``, ``superseded``, ``registered``, ``recovered``,
 ``dropped_<reason>``, ``occupied`` and ``replaced`` for a takeover, ``reregistered``,
-``finished``, ``finish_dropped``, ``fenced``, ``expired``), with the time on the server's clock.
+``finished``, ``finish_dropped``, ``fenced``, ``expired``).
+
+Time: every decision is dated on this host's monotonic clock, and every age and expiry is
+measured on it, so a host wall clock off by minutes, or corrected while the process runs,
+expires nothing early and keeps nothing late. What Redis stores is on the server's clock:
+``take`` turns each time into it with the offset the last reply showed (``to_server``), and
+``adopt`` turns Redis's times back (``to_mono``). The writer sends nothing before its first
+reply (the claim), so a signal recorded while Redis was unreachable keeps the age it had.
 
 A hook call does on the caller's thread only what its decision needs (per buffered entry, a
 tuple of ints in a dict and a mark that its slot changed); what Redis stores (a signal's text, a
@@ -25,7 +32,7 @@ No I/O and no locking: the bridge calls it under its own lock.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..models import CacheTask, DropReason
@@ -38,25 +45,28 @@ override)."""
 
 
 Early = tuple[int, str | None, int, int]
-"""An early signal: (tokens, request_id or None, recorded_at_ms, deadline_ms). A tuple, the
-cheapest object to build: one is built per buffered entry."""
+"""An early signal: (tokens, request_id or None, recorded_at_ms, deadline_ms), both times on the
+monotonic clock. A tuple, the cheapest object to build: one is built per buffered entry."""
+ToClock = Callable[[int], int]
+"""Turns a time from one clock to the other (monotonic to the server's, or back)."""
 
 NEVER = 1 << 62
 """The local sweep's next deadline when the rank holds no early signal."""
-NO_FATE: tuple[str, Early | None] = ("", None)
+NO_FATE: tuple[str, str] = ("", "")
 """A changed slot's entry in ``OwnedRank._changed`` when no signal Redis holds ended."""
 
 
-def stored(early: Early) -> str:
-    """An early signal as Redis stores it: "tokens,request_id,recorded_at,deadline"."""
+def stored(early: Early, to_server: ToClock) -> str:
+    """An early signal as Redis stores it, "tokens,request_id,recorded_at,deadline", its times
+    on the server's clock."""
     tokens, request_id, recorded_at_ms, deadline_ms = early
-    return f"{tokens},{request_id or ''},{recorded_at_ms},{deadline_ms}"
+    return f"{tokens},{request_id or ''},{to_server(recorded_at_ms)},{to_server(deadline_ms)}"
 
 
-def parse_stored(text: str) -> Early:
+def parse_stored(text: str, to_mono: ToClock) -> Early:
     """The inverse of ``stored``."""
     tokens, request_id, recorded_at_ms, deadline_ms = text.split(",")
-    return int(tokens), request_id or None, int(recorded_at_ms), int(deadline_ms)
+    return int(tokens), request_id or None, to_mono(int(recorded_at_ms)), to_mono(int(deadline_ms))
 
 
 @dataclass
@@ -84,13 +94,19 @@ class OwnedRank:
         since: the sweep then finds nothing to expire and moves it to the earliest live one."""
         self.counts: Counter[str] = Counter()
         """Counter increments not yet sent."""
-        self._changed: dict[int, tuple[str, Early | None]] = {}
-        """Slots whose state changed since the last take -> (fate, signal) of the signal Redis
-        holds that the process ended meanwhile (``NO_FATE`` when none)."""
+        self._changed: dict[int, tuple[str, str]] = {}
+        """Slots whose state changed since the last take -> (fate, text as Redis holds it) of
+        the signal Redis holds that the process ended meanwhile (``NO_FATE`` when none)."""
         self._redis_holder: dict[int, str] = {}
         """The holder the process last sent per slot ('' none)."""
         self._redis_pending: dict[int, Early] = {}
         """The pending signal the process last sent per slot."""
+        self._redis_text: dict[int, str] = {}
+        """... and its text, as Redis holds it (times on the server's clock)."""
+        self.held_back: set[int] = set()
+        """Slots whose task registered while the process could not be sure it still owned the
+        rank (``shared_usable`` False) and whose early signal Redis holds: handed out by
+        ``settle_held_back`` once the claim is renewed, given up by ``disown`` if it is lost."""
         self.decisions = 0
         """Hook decisions since the last take."""
         self.in_flight: Batch | None = None
@@ -134,11 +150,15 @@ class OwnedRank:
             self._next_deadline = min(self._next_deadline, deadline)
         return to_queue, suppressed
 
-    def register(self, task: CacheTask, now_ms: int) -> tuple[str | None, int | None, DropReason | None]:
+    def register(
+        self, task: CacheTask, now_ms: int, shared_usable: Callable[[], bool] = lambda: True
+    ) -> tuple[str | None, int | None, DropReason | None]:
         """Make ``task`` the slot's holder and pop its early signal, as register.lua does.
         Returns (the request it took the slot from or None, the early signal's tokens or None,
         why it must not be sent or None: else the caller queues it, counted as queued for the
-        task). The same request again changes nothing (``reregistered``)."""
+        task). The same request again changes nothing (``reregistered``). When ``shared_usable()``
+        says no (the process's lease on the rank may have ended), an early signal that Redis
+        holds stays where it is (``held_back``): another owner may have adopted it."""
         self.expire(now_ms)
         self.decisions += 1
         slot = task.slot
@@ -158,13 +178,59 @@ class OwnedRank:
         early = self._early.get(slot)
         if early is None:
             return taken_from, None, None
+        if self._redis_pending.get(slot) == early and not shared_usable():
+            self.held_back.add(slot)
+            return taken_from, None, None
+        reason = self._pop_for(local, early, now_ms)
+        return taken_from, early[0], reason
+
+    def _pop_for(self, local: LocalTask, early: Early, now_ms: int) -> DropReason | None:
+        """Hand the slot's early signal to its task (or drop it, with the reason)."""
         tokens, request_id, recorded_at_ms, deadline_ms = early
-        reason = verdict_of(tokens, request_id, deadline_ms, task, now_ms)
-        self._end(slot, "recovered" if reason is None else f"dropped_{reason.value}")
-        local.recovery = f"0,{tokens},{request_id or ''},{recorded_at_ms},{reason.value if reason else ''};"
+        reason = verdict_of(tokens, request_id, deadline_ms, local.task, now_ms)
+        self._end(local.task.slot, "recovered" if reason is None else f"dropped_{reason.value}")
+        local.recovery = (tokens, request_id, recorded_at_ms, reason.value if reason else "")
         if reason is None:
-            local.queued_tokens = tokens
-        return taken_from, tokens, reason
+            local.queued_tokens = max(local.queued_tokens, tokens)
+        return reason
+
+    def settle_held_back(self, now_ms: int) -> tuple[list[tuple[int, int]], list[tuple[CacheTask, int, DropReason]]]:
+        """The claim was renewed: the early signals held back are handed to their tasks now (or
+        dropped). Returns the entries to queue and the drops to log."""
+        queued: list[tuple[int, int]] = []
+        dropped: list[tuple[CacheTask, int, DropReason]] = []
+        for slot in sorted(self.held_back):
+            early, local = self._early.get(slot), self.tasks.get(slot)
+            if early is None or local is None:
+                continue  # expired or finished meanwhile, counted then
+            before = local.queued_tokens
+            reason = self._pop_for(local, early, now_ms)
+            if reason is not None:
+                dropped.append((local.task, early[0], reason))
+            elif early[0] > before:
+                queued.append((slot, early[0]))
+        self.held_back.clear()
+        return queued, dropped
+
+    def disown(self) -> int:
+        """The rank has another owner now (the server refused this process's write or
+        renewal): the early signals Redis holds as this process wrote them are the new owner's
+        (it adopted them), so this process gives them up, uncounted here; what Redis holds is
+        unknown from now on. Returns how many it gave up. The process's own tasks and the
+        signals only it has seen stay: it serves its process locally."""
+        given_up = 0
+        for slot, early in list(self._early.items()):
+            if self._redis_pending.get(slot) == early:
+                del self._early[slot]
+                given_up += 1
+        self._redis_pending.clear()
+        self._redis_text.clear()
+        self._redis_holder.clear()
+        self.held_back.clear()
+        for slot, (fate, _text) in list(self._changed.items()):
+            if fate:
+                self._changed[slot] = NO_FATE
+        return given_up
 
     def finish(self, slot: int, request_id: str, now_ms: int) -> tuple[bool, int, bool]:
         """As finish.lua: (removed, dropped, fenced)."""
@@ -246,26 +312,25 @@ class OwnedRank:
         self.decisions += batch.decisions
         for state in batch.slots:
             fate, value = state[6], state[7]
-            self._changed.setdefault(int(state[0]), (fate, parse_stored(value)) if fate else NO_FATE)
+            self._changed.setdefault(int(state[0]), (fate, value) if fate else NO_FATE)
 
     def believed(self) -> tuple[int, int]:
         """The tasks and pending signals Redis holds for the rank, as far as the process knows
         (what ``apply`` reports after the last batch, unless Redis lost or kept others)."""
         return sum(1 for holder in self._redis_holder.values() if holder), len(self._redis_pending)
 
-    def take(self, every_slot: bool = False, also: range = range(0)) -> Batch:
-        """Everything not yet sent, as one ``apply`` call's content; from now on the process
-        counts on Redis holding it (the writer sends it until Redis has it). ``every_slot``:
-        also the slots that did not change (after Redis may have lost them: a restart);
-        ``also``: these slots too (every slot of the rank, when Redis holds what the process
-        does not know of)."""
+    def take(self, to_server: ToClock, every_slot: bool = False, also: range = range(0)) -> Batch:
+        """Everything not yet sent, as one ``apply`` call's content, its times on the server's
+        clock (``to_server``); from now on the process counts on Redis holding it (the writer
+        sends it until Redis has it). ``every_slot``: also the slots that did not change (after
+        Redis may have lost them: a restart); ``also``: these slots too (every slot of the rank,
+        when Redis holds what the process does not know of)."""
         slots = set(self._changed) | set(also)
         if every_slot:
             slots |= set(self.tasks) | set(self._early) | {s for s, h in self._redis_holder.items() if h}
         states: list[SlotState] = []
         for slot in sorted(slots):
-            fate, ended = self._changed.get(slot, NO_FATE)
-            value = stored(ended) if ended is not None else ""
+            fate, value = self._changed.get(slot, NO_FATE)
             holder = self.tasks.get(slot)
             prior = self._redis_holder.get(slot, UNKNOWN)
             if holder is None:
@@ -273,15 +338,20 @@ class OwnedRank:
                 self._redis_holder[slot] = ""
             else:
                 task = holder.task
-                lease = f"{holder.registered_at_ms + self.task_ttl_ms:016d}|{task.request_id}"
-                doc, recovery = encode_task(task), holder.recovery
+                lease = f"{to_server(holder.registered_at_ms + self.task_ttl_ms):016d}|{task.request_id}"
+                doc, recovery = encode_task(task), _recovery_text(holder.recovery, to_server)
                 self._redis_holder[slot] = task.request_id
             early = self._early.get(slot)
-            pending = stored(early) if early is not None else ""
             if early is None:
+                pending = ""
                 self._redis_pending.pop(slot, None)
+                self._redis_text.pop(slot, None)
             else:
+                # Sent before: the same text (the fate check compares it).
+                sent = self._redis_pending.get(slot) == early
+                pending = self._redis_text[slot] if sent else stored(early, to_server)
                 self._redis_pending[slot] = early
+                self._redis_text[slot] = pending
             states.append((str(slot), prior, lease, doc, recovery, pending, fate, value))
         batch = Batch({name: n for name, n in self.counts.items() if n}, states, self.decisions, len(also) > 0)
         self.in_flight = batch
@@ -291,7 +361,7 @@ class OwnedRank:
         return batch
 
     def adopt(
-        self, pending: dict[int, str], holders: dict[int, str], now_ms: int, keep_early: bool = True
+        self, pending: dict[int, str], holders: dict[int, str], now_ms: int, to_mono: ToClock, keep_early: bool = True
     ) -> list[tuple[int, int]]:
         """Once the process owns the rank, what an earlier process of it left in Redis: its early
         signals become this process's (a signal survives a restart of the messager); its tasks
@@ -305,26 +375,27 @@ class OwnedRank:
 
         Without ``keep_early`` (a tensor-parallel rank, whose entries come only from the GPU's
         stream every rank reads, so that no rank's adoption races its own hooks) the early
-        signals end as ``expired``."""
+        signals end as ``expired``. Redis's times come back on the monotonic clock
+        (``to_mono``), so that their age keeps counting in the process."""
         late: list[tuple[int, int]] = []
         for slot, text in pending.items():
-            early = parse_stored(text)
-            if not keep_early:
-                self._redis_pending[slot] = early
-                self._changed[slot] = ("expired", early)
-                continue
-            self._redis_pending[slot] = early
-            if self._early.get(slot) == early:
+            if self._redis_text.get(slot) == text and self._early.get(slot) == self._redis_pending.get(slot):
                 continue  # this process's own (it held the rank before, and claims it again)
+            early = parse_stored(text, to_mono)
+            self._redis_pending[slot] = early
+            self._redis_text[slot] = text
+            if not keep_early:
+                self._changed[slot] = ("expired", text)
+                continue
             if slot in self._early:
-                self._changed[slot] = ("superseded", early)
+                self._changed[slot] = ("superseded", text)
                 continue
             holder = self.tasks.get(slot)
             if holder is not None:
                 tokens, request_id, recorded_at_ms, deadline_ms = early
                 reason = verdict_of(tokens, request_id, deadline_ms, holder.task, now_ms)
-                self._changed[slot] = ("recovered" if reason is None else f"dropped_{reason.value}", early)
-                holder.recovery = f"0,{tokens},{request_id or ''},{recorded_at_ms},{reason.value if reason else ''};"
+                self._changed[slot] = ("recovered" if reason is None else f"dropped_{reason.value}", text)
+                holder.recovery = (tokens, request_id, recorded_at_ms, reason.value if reason else "")
                 if reason is None and tokens > holder.queued_tokens:
                     holder.queued_tokens = tokens
                     late.append((slot, tokens))
@@ -355,7 +426,15 @@ class OwnedRank:
         if early is None:
             return
         if self._redis_pending.get(slot) == early:
-            self._changed[slot] = (fate, early)
+            self._changed[slot] = (fate, self._redis_text[slot])
         else:
             self.counts[fate] += 1
             self._changed.setdefault(slot, NO_FATE)
+
+
+def _recovery_text(recovery: tuple[int, str | None, int, str] | None, to_server: ToClock) -> str:
+    """What register.lua keeps as a task's first recovery, from ``LocalTask.recovery``."""
+    if recovery is None:
+        return ""
+    tokens, request_id, recorded_at_ms, reason = recovery
+    return f"0,{tokens},{request_id or ''},{to_server(recorded_at_ms)},{reason};"

@@ -116,7 +116,7 @@ class SharedLayout:
         except Exception as exc:
             with ctx.lock:
                 self._degrade("on_task_finished", exc)
-                self._note_local("on_task_finished", FinishOp(slot, request_id, ctx.server_ms()))
+                self._note_local("on_task_finished", FinishOp(slot, request_id, ctx.mono_ms()))
                 self._pending(exc, None)
             return FinishResult(removed=removed, dropped=dropped, fenced=fenced)  # decided here
         if result.fenced:
@@ -151,11 +151,12 @@ class SharedLayout:
             return self.ctx.buffer.register(task, replace=True)
 
     def _heard_from_server(self, result: RecordResult) -> None:
-        """Under the lock: a record's signals carry the server's time: keep the clocks' offset
-        (what a journaled decision is dated with)."""
+        """Under the lock: a record's signals carry the server's time: keep the offset between
+        it and the monotonic clock (what turns a journaled decision's time into the server's)."""
         signals = result.delivered or result.buffered
-        if signals and self.ctx.buffer.protocol.clock is None:
-            self.ctx.offset_ms = signals[0].recorded_at_ms - int(time.time() * 1000)
+        if signals:
+            now = time.monotonic()
+            self.ctx.anchor(signals[0].recorded_at_ms, now, now)
 
     def _settle_register(self, task: CacheTask, result: RegisterResult) -> Batch:
         """Under the lock: queue the recovered batch, then what waited behind the registration."""
@@ -186,7 +187,7 @@ class SharedLayout:
     def _record_locally(self, entries: list[tuple[Any, ...]]) -> Batch:
         ctx = self.ctx
         deliver: Batch = []
-        now = int(time.time() * 1000)
+        now = ctx.mono_ms()
         for slot, tokens, *named in entries:
             request_id = named[0] if named else None
             if slot in self.gates:  # its registration is on its way from this process
@@ -195,7 +196,7 @@ class SharedLayout:
             else:
                 early = EarlySignal(tokens, now + ctx.pending_ttl_ms, shared=False, request_id=request_id)
                 ctx.local.keep_early(slot, early, counted=True)
-        self._note_local("on_kv_signal", RecordOp(tuple(entries), ctx.server_ms()))
+        self._note_local("on_kv_signal", RecordOp(tuple(entries), ctx.mono_ms()))
         return self._queue(deliver)
 
     def _register_locally(self, task: CacheTask) -> Batch:
@@ -203,8 +204,8 @@ class SharedLayout:
         holder = ctx.local.tasks.get(task.slot)
         if holder is not None and holder.task.request_id != task.request_id:
             ctx.log_takeover(task, holder.task.request_id)
-        early, reason = ctx.local.register(task, int(time.time() * 1000))
-        self._note_local("on_cache_task", RegisterOp(task, ctx.server_ms()))
+        early, reason = ctx.local.register(task, ctx.mono_ms())
+        self._note_local("on_cache_task", RegisterOp(task, ctx.mono_ms()))
         if early is None:
             return []
         if reason is not None:
@@ -217,7 +218,7 @@ class SharedLayout:
 
     def _finish_locally(self, slot: int, request_id: str) -> FinishResult:
         removed, dropped, fenced = self.ctx.local.finish(slot, request_id)
-        self._note_local("on_task_finished", FinishOp(slot, request_id, self.ctx.server_ms()))
+        self._note_local("on_task_finished", FinishOp(slot, request_id, self.ctx.mono_ms()))
         return FinishResult(removed=removed, dropped=dropped, fenced=fenced)
 
     def _note_local(self, operation: str, op: Operation) -> None:
@@ -289,7 +290,11 @@ class SharedLayout:
                     episode = ctx.end_episode()
                 self._write_episode(*episode)
                 return True
-            handed = replay(ctx.buffer, ctx.instance, ctx.rank, op)
+            if not ctx.anchored():  # Redis never answered before: learn its clock first
+                sent = time.monotonic()
+                server_now = ctx.buffer.now_ms()
+                ctx.anchor(server_now, sent, time.monotonic())
+            handed = replay(ctx.buffer, ctx.instance, ctx.rank, op, ctx.to_server)
             with ctx.lock:
                 self.journal.popleft()
                 ctx.wake.notify_all()  # flush waits for the journal to empty

@@ -6,6 +6,10 @@ giving up on an entry needs the group: this thread gives up on the head once it 
 group has decided, and hands the outcome back to the bridge. It also reports how far the rank
 got (``handled``), which tells the voters of other ranks that this rank released an entry.
 While Redis does not answer, releases go on in the hooks; only a give-up waits.
+
+It writes under its rank's claim (``identity``): nothing while the process does not own its
+rank, and a call carries the claim's token and generation, which lua/group.lua checks with the
+ownership fence, so a process that lost its rank changes nothing of the group.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..protocol.calls import new_token
 from .context import Batch, RankContext
 from .group import GroupQueue, Outcome, Progress
+from .identity import IdentityClaim
 
 REFRESH_S = 5.0
 """An idle rank reports again this often: what the group keeps of it comes back after Redis
@@ -38,6 +42,7 @@ class GroupVoter:
         group: GroupQueue,
         nranks: int,
         interval_s: float,
+        identity: IdentityClaim,
     ) -> None:
         self.bridge = rank
         self.settle = settle
@@ -47,10 +52,14 @@ class GroupVoter:
         self.member = rank.rank % nranks
         self.keys = rank.buffer.protocol.keys.group(rank.instance, rank.rank // nranks)
         self.interval_s = interval_s
-        self.token = new_token()
-        """This process, to the group: a new token tells the group that the ranks started again."""
+        self.identity = identity
+        """The rank's claim: its token tells the group which process speaks for the member (a
+        new one: the ranks started again), its generation lets the fence refuse a stale one."""
         self.unreachable = False
-        """The last call failed: give-ups wait for Redis (releases do not)."""
+        """The last call failed, or could not be made without a claim: give-ups wait for Redis
+        (releases do not)."""
+        self._warned = False
+        """The failure was logged (once, until a call succeeds)."""
         self._reported: int | None = None
         """The ``handled`` the group last heard from this rank (None: nothing heard yet)."""
         self._reported_at = 0.0
@@ -92,13 +101,29 @@ class GroupVoter:
         due = time.monotonic() - self._reported_at >= REFRESH_S
         if not votes and handled == self._reported and not due:
             return
+        claim = self.identity.held()
+        if claim is None:
+            # The process does not own its rank (Redis has not answered its claim yet, or another
+            # process holds the rank): it writes nothing, and a give-up waits as for an outage.
+            self.unreachable = True
+            return
         protocol = bridge.buffer.protocol
         sent = [*votes, *self._abandoned]
-        prepared = protocol.group(self.keys, self.nranks, self.member, self.token, handled, sent)
+        prepared = protocol.group(self.keys, self.nranks, self.member, claim, handled, sent)
         answer = bridge.buffer.execute(prepared)
-        if self.unreachable:
+        if answer.fenced_by is not None:
+            # A later claim of this rank wrote here: this process lost it. The writer's next
+            # renewal finds out and says so; until the rank is claimed again, nothing is sent.
+            self.identity.lost(None)
+            bridge.logger.warning(
+                "%s/%d: the tensor-parallel group refused this rank's report: another process claimed the rank",
+                bridge.instance,
+                bridge.rank,
+            )
+            return
+        if self._warned:
             bridge.logger.warning("%s/%d: the tensor-parallel group's keys answer again", bridge.instance, bridge.rank)
-        self.unreachable = False
+        self.unreachable = self._warned = False
         if answer.reset and self._reported is not None:
             bridge.logger.warning(
                 "%s/%d: another process of this rank started in the tensor-parallel group: its keys were reset",
@@ -118,7 +143,8 @@ class GroupVoter:
             return  # the bridge closed (its buffer too, maybe) while this call was on its way
         with bridge.lock:
             bridge.errors["group"] += 1
-        if not self.unreachable:
+        if not self._warned:
+            self._warned = True
             bridge.logger.warning(
                 "%s/%d: the tensor-parallel group's keys cannot be reached (%s: %s): releases go on, "
                 "giving up on an entry waits until Redis answers",

@@ -64,6 +64,7 @@ HELP = {
     "served_locally": "Calls the FastDeploy bridge served in its process while degraded",
     "reconciled": "Entries the FastDeploy bridge wrote back to Redis after an outage",
     "identity_refused": "FastDeploy bridges refused their instance and rank: another live process owned it",
+    "ownership_fenced": "FastDeploy bridge writes the server refused: another process claimed the rank since",
 }
 
 ENDINGS = ("recovered", "finish_dropped", "superseded", "expired")

@@ -204,15 +204,17 @@ class _Finish(Prepared[FinishResult]):
 
 class Applied:
     """What ``apply`` answered: the server's time, the slots overridden, and the tasks and
-    pending signals the rank holds after it."""
+    pending signals the rank holds after it; or, when the ownership fence refused the batch
+    (nothing written), the claim that holds the rank (``fenced_by``)."""
 
-    __slots__ = ("now_ms", "overridden", "pending", "tasks")
+    __slots__ = ("fenced_by", "now_ms", "overridden", "pending", "tasks")
 
-    def __init__(self, now_ms: int, overridden: int, tasks: int, pending: int) -> None:
+    def __init__(self, now_ms: int, overridden: int, tasks: int, pending: int, fenced_by: str | None = None) -> None:
         self.now_ms = now_ms
         self.overridden = overridden
         self.tasks = tasks
         self.pending = pending
+        self.fenced_by = fenced_by
 
 
 class _Apply(Prepared[Applied]):
@@ -223,20 +225,25 @@ class _Apply(Prepared[Applied]):
         self.call = call
 
     def parse(self, reply: Any) -> Applied:
-        _status, now, payload = split_reply(reply)
+        status, now, payload = split_reply(reply)
+        if status == FENCED:
+            return Applied(now, 0, 0, 0, payload)
         overridden, tasks, pending = payload.split(",")
         return Applied(now, int(overridden), int(tasks), int(pending))
 
 
 class GroupAnswer:
     """What ``group`` answered: whether the group's keys were reset (this member came with a
-    token the group did not know), and the outcome of each voted sequence number, in order."""
+    token the group did not know), and the outcome of each voted sequence number, in order;
+    or, when the ownership fence refused the call (nothing written), the member's record that a
+    later claim of the rank wrote (``fenced_by``)."""
 
-    __slots__ = ("outcomes", "reset")
+    __slots__ = ("fenced_by", "outcomes", "reset")
 
-    def __init__(self, reset: bool, outcomes: list[str]) -> None:
+    def __init__(self, reset: bool, outcomes: list[str], fenced_by: str | None = None) -> None:
         self.reset = reset
         self.outcomes = outcomes
+        self.fenced_by = fenced_by
 
 
 class _Group(Prepared[GroupAnswer]):
@@ -247,8 +254,28 @@ class _Group(Prepared[GroupAnswer]):
         self.call = call
 
     def parse(self, reply: Any) -> GroupAnswer:
-        reset, _, outcomes = split_reply(reply)[2].partition(";")
+        status, _now, payload = split_reply(reply)
+        if status == FENCED:
+            return GroupAnswer(False, [], payload)
+        reset, _, outcomes = payload.partition(";")
         return GroupAnswer(reset == "1", outcomes.split(",") if outcomes else [])
+
+
+FENCED = "fenced"
+"""The status of a reply the ownership fence refused (lua/_lib.lua ``owner_fence``)."""
+
+
+class Claim:
+    """What every write of an owner carries (lua/_lib.lua ``owner_fence``): its claim's token
+    and generation (lua/claim.lua), and what the fence notes of a writer it refuses."""
+
+    __slots__ = ("generation", "owner", "token")
+
+    def __init__(self, token: str, generation: int, owner: str) -> None:
+        self.token = token
+        self.generation = generation
+        self.owner = owner
+        """"<host>|<pid>|<pid namespace>"."""
 
 
 SlotState = tuple[str, str, str, str, str, str, str, str]
@@ -406,11 +433,14 @@ class Protocol:
         slots: Sequence[SlotState],
         writer: str,
         batch: int,
+        claim: Claim,
     ) -> Prepared[Applied]:
         """Write one owner's decisions: its counters and the listed slots' state. The caller
         (the bridge's writer) builds ``slots`` from state it validated when it decided.
         ``writer`` names the writing process (a token of its own) and ``batch`` numbers its
-        calls in order: a batch resent after it was applied changes nothing, however late."""
+        calls in order: a batch resent after it was applied changes nothing, however late.
+        ``claim`` is the writer's claim on the rank: refused (``Applied.fenced_by``) once
+        another process claimed it since."""
         args = [
             self._now(),
             str(layer),
@@ -421,20 +451,28 @@ class Protocol:
             self._writer_key_ttl,
             str(batch),
             "".join(f"{name}={n};" for name, n in counts.items() if n > 0),
+            claim.token,
+            str(claim.generation),
+            claim.owner,
+            self._writer_key_ttl,
         ]
         for state in slots:
             args.extend(state)
-        call = ScriptCall("apply", [keys.live, keys.pending, keys.expiry, keys.stats, keys.writer(writer)], args)
+        rank_keys = [keys.live, keys.pending, keys.expiry, keys.stats, keys.writer(writer), keys.identity, keys.clash]
+        call = ScriptCall("apply", rank_keys, args)
         return _Apply(call)
 
     # -- group (tensor-parallel ranks of the FastDeploy bridge) -----------------------------
 
     def group(
-        self, keys: GroupKeys, nranks: int, member: int, token: str, handled: int, votes: Sequence[int]
+        self, keys: GroupKeys, nranks: int, member: int, claim: Claim, handled: int, votes: Sequence[int]
     ) -> Prepared[GroupAnswer]:
         """Report ``member``'s highest handled sequence number and vote to give up ``votes``
-        (lua/group.lua). The caller (the bridge's group thread) builds every value itself."""
-        args = [self._now(), str(nranks), str(member), token, str(handled), self._task_key_ttl]
+        (lua/group.lua), under the claim of the member's rank (refused, ``fenced_by``, once a
+        later claim of the rank wrote there). The caller (the bridge's group thread) builds
+        every value itself."""
+        args = [self._now(), str(nranks), str(member), claim.token, str(handled), self._task_key_ttl]
+        args.append(str(claim.generation))
         args.extend(str(seq) for seq in votes)
         return _Group(ScriptCall("group", [keys.members, keys.votes, keys.outcomes], args))
 

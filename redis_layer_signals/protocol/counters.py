@@ -43,9 +43,13 @@ COUNTERS = (
     "reconciled",
     # Added by a FastDeploy bridge refused its identity (fastdeploy/identity.py, lua/claim.lua).
     "identity_refused",
+    # Added by the ownership fence (lua/_lib.lua owner_fence): a write or claim of a process that
+    # no longer owns the rank, refused.
+    "ownership_fenced",
 )
 """Counters a namespace reports. ``buffered`` signals end as recovered, dropped_*,
 finish_dropped, superseded or expired (or are still pending): invariant 1 in numbers.
 ``degraded_ms``, ``served_locally`` and ``reconciled`` count the FastDeploy bridge's outages:
 milliseconds served without Redis, hook calls served so, entries written back after.
-``identity_refused`` counts bridges refused because another live process owned the rank."""
+``identity_refused`` counts bridges refused because another live process owned the rank,
+``ownership_fenced`` writes refused because their process had lost the rank to another."""

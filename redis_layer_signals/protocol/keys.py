@@ -35,8 +35,13 @@ class RankKeys:
 
     @property
     def identity(self) -> str:
-        """The process that owns the rank, under a lease (lua/claim.lua)."""
+        """The process that owns the rank: its claim, lease and generation (lua/claim.lua)."""
         return f"{KEY_PREFIX}:{self.tag}:identity"
+
+    @property
+    def clash(self) -> str:
+        """The last process the ownership fence refused, for the owner to log (lua/_lib.lua)."""
+        return f"{KEY_PREFIX}:{self.tag}:clash"
 
     @property
     def per_request(self) -> tuple[str, str, str, str]:
@@ -50,7 +55,7 @@ class GroupKeys:
     ``{ns/instance/tp<group>}``: every rank of the group calls on the same Cluster slot."""
 
     tag: str
-    members: str  # hash: member -> "<token>|<highest sequence number it handled>"
+    members: str  # hash: member -> "<token>|<highest sequence number it handled>|<generation>"
     votes: str  # hash: sequence number -> ",<member>,<member>,": who voted to abandon it
     outcomes: str  # hash: sequence number -> "released" or "abandoned", final once written
 
