@@ -1,0 +1,515 @@
+"""A small model checker for what a tensor-parallel group queues for layer 0, and the rules it
+judges.
+
+Every rank of a group reads the same GPU stream of layer-0 messages and registers the same
+cache tasks in the same order; how a rank interleaves the two is its own, and so is the time
+each of its messages to the others takes. FastDeploy's sender pairs batch ``i`` of every rank at
+a barrier, so the ranks must queue the same batches in the same order. ``explore`` walks every
+interleaving of a rule on a workload, breadth first (so a counterexample is a shortest one), and
+checks in every reachable state:
+
+- **same batches**: any two ranks' queues agree on the batches both hold (one is a prefix of
+  the other);
+- **once**: no rank queues an entry of the stream twice;
+- **slot order**: a rank queues the entries of one slot in the GPU's order (a later chunk never
+  overtakes an earlier one);
+
+and in every state where nothing is left to happen (every message read, every task registered,
+every message between ranks delivered):
+
+- **served**: every rank has queued, for every request that registered, the entry that
+  carries its last chunk, without any time-out: no request waits on another request's task
+  (an aborted request's entry may never be queued, but it holds nothing back).
+
+No rule is given a timer: a give-up after ``pending_ttl_s`` (60 s) is far past the 0.2 s a
+request may wait on another, so a rule that needs one to move on fails **served**.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, Protocol, TypeVar
+
+Entry = tuple[int, int]
+"""(slot, tokens): one entry of a layer-0 message."""
+Batch = tuple[int, ...]
+"""The stream positions of the entries one queued batch holds."""
+
+
+@dataclass(frozen=True)
+class Request:
+    slot: int
+    request_id: str
+    need: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The GPU's layer-0 messages and the registrations, in the orders every rank shares.
+    A slot with entries but no registration is an aborted request."""
+
+    messages: tuple[tuple[Entry, ...], ...]
+    registrations: tuple[Request, ...]
+
+    @property
+    def stream(self) -> tuple[Entry, ...]:
+        return tuple(entry for message in self.messages for entry in message)
+
+    def positions(self, message: int) -> range:
+        """The stream positions of ``message``'s entries."""
+        start = sum(len(m) for m in self.messages[:message])
+        return range(start, start + len(self.messages[message]))
+
+    def owed(self) -> dict[int, int]:
+        """Request slot -> the stream position of its last entry: what **served** asks every
+        rank to have queued (when it fits the task's need)."""
+        last: dict[int, int] = {}
+        for position, (slot, _tokens) in enumerate(self.stream):
+            last[slot] = position
+        needs = {r.slot: r.need for r in self.registrations}
+        stream = self.stream
+        return {slot: pos for slot, pos in last.items() if slot in needs and 0 < stream[pos][1] <= needs[slot]}
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """How far one rank has read its two streams."""
+
+    message: int = 0
+    registration: int = 0
+
+
+S = TypeVar("S")
+
+
+class Rule(Protocol[S]):
+    """A rule for what a rank queues, as a transition system over an immutable state."""
+
+    name: str
+
+    def initial(self, workload: Workload, nranks: int) -> S: ...
+
+    def moves(self, workload: Workload, state: S) -> Iterator[tuple[str, S]]:
+        """Every step that can happen next, each with a label for counterexamples."""
+        ...
+
+    def queues(self, state: S) -> tuple[tuple[Batch, ...], ...]:
+        """What each rank has queued so far."""
+        ...
+
+
+@dataclass
+class Verdict(Generic[S]):
+    rule: str
+    states: int
+    violation: str | None = None
+    trace: list[str] | None = None
+
+    def explain(self) -> str:
+        if self.violation is None:
+            return f"{self.rule}: holds over {self.states} states"
+        steps = "\n".join(f"  {n + 1}. {label}" for n, label in enumerate(self.trace or []))
+        return f"{self.rule}: {self.violation}, after\n{steps}"
+
+
+def check_state(workload: Workload, queues: Sequence[tuple[Batch, ...]]) -> str | None:
+    """The safety properties of one state, or what breaks them."""
+    stream = workload.stream
+    contents = [[tuple(stream[p] for p in batch) for batch in queue] for queue in queues]
+    for a in range(len(queues)):
+        for b in range(a + 1, len(queues)):
+            for i, (x, y) in enumerate(zip(contents[a], contents[b], strict=False)):
+                if x != y:
+                    return f"same batches: batch {i} is {list(x)} on rank {a} but {list(y)} on rank {b}"
+    for rank, queue in enumerate(queues):
+        seen: set[int] = set()
+        last_of_slot: dict[int, int] = {}
+        for batch in queue:
+            for position in batch:
+                if position in seen:
+                    return f"once: rank {rank} queued stream entry {position} {stream[position]} twice"
+                seen.add(position)
+                slot = stream[position][0]
+                if last_of_slot.get(slot, -1) > position:
+                    return f"slot order: rank {rank} queued slot {slot}'s entry {position} after a later one"
+                last_of_slot[slot] = position
+    return None
+
+
+def check_final(workload: Workload, queues: Sequence[tuple[Batch, ...]]) -> str | None:
+    """**served**, in a state where nothing is left to happen."""
+    owed = workload.owed()
+    for rank, queue in enumerate(queues):
+        queued = {position for batch in queue for position in batch}
+        for slot, position in sorted(owed.items()):
+            if position not in queued:
+                return f"served: rank {rank} never queued slot {slot}'s last entry {workload.stream[position]}"
+    return None
+
+
+def explore(rule: Rule[S], workload: Workload, nranks: int, limit: int = 2_000_000) -> Verdict[S]:
+    """Every interleaving of ``rule`` on ``workload`` at ``nranks``, breadth first."""
+    start = rule.initial(workload, nranks)
+    parent: dict[S, tuple[S, str] | None] = {start: None}
+    frontier: collections.deque[S] = collections.deque([start])
+
+    def trace(state: S) -> list[str]:
+        labels = []
+        link = parent[state]
+        while link is not None:
+            state, label = link
+            labels.append(label)
+            link = parent[state]
+        return labels[::-1]
+
+    while frontier:
+        state = frontier.popleft()
+        queues = rule.queues(state)
+        broken = check_state(workload, queues)
+        if broken is None:
+            steps = list(rule.moves(workload, state))
+            if not steps:
+                broken = check_final(workload, queues)
+        if broken is not None:
+            return Verdict(rule.name, len(parent), broken, trace(state))
+        for label, following in steps:
+            if following not in parent:
+                if len(parent) >= limit:
+                    raise RuntimeError(f"{rule.name}: more than {limit} states")
+                parent[following] = (state, label)
+                frontier.append(following)
+    return Verdict(rule.name, len(parent))
+
+
+# -- the rules -------------------------------------------------------------------------------------
+
+
+def _verdict_ok(workload: Workload, position: int, request: Request) -> bool:
+    """The task's verdict on an entry: sent when its tokens are in (0, need]."""
+    tokens = workload.stream[position][1]
+    return 0 < tokens <= request.need
+
+
+@dataclass(frozen=True)
+class Local:
+    """One rank of a rule that decides alone: its cursor, tasks, waiting entries and queue."""
+
+    cursor: Cursor = Cursor()
+    tasks: frozenset[int] = frozenset()
+    waiting: tuple[tuple[int, int], ...] = ()
+    """(slot, stream position), in the order the rule keeps them."""
+    queue: tuple[Batch, ...] = ()
+
+
+class LocalRule:
+    """A rule each rank runs on its own streams, with no message to the others."""
+
+    name = "local"
+
+    def initial(self, workload: Workload, nranks: int) -> tuple[Local, ...]:
+        return tuple(Local() for _ in range(nranks))
+
+    def queues(self, state: tuple[Local, ...]) -> tuple[tuple[Batch, ...], ...]:
+        return tuple(rank.queue for rank in state)
+
+    def moves(self, workload: Workload, state: tuple[Local, ...]) -> Iterator[tuple[str, tuple[Local, ...]]]:
+        for r, rank in enumerate(state):
+            for label, following in self.rank_moves(workload, rank):
+                yield f"rank {r}: {label}", (*state[:r], following, *state[r + 1 :])
+
+    def rank_moves(self, workload: Workload, rank: Local) -> Iterator[tuple[str, Local]]:
+        cursor = rank.cursor
+        if cursor.message < len(workload.messages):
+            entries = [(workload.stream[p][0], p) for p in workload.positions(cursor.message)]
+            moved = replace(rank, cursor=replace(cursor, message=cursor.message + 1))
+            yield f"reads message {list(workload.messages[cursor.message])}", self.on_message(workload, moved, entries)
+        if cursor.registration < len(workload.registrations):
+            request = workload.registrations[cursor.registration]
+            moved = replace(rank, cursor=replace(cursor, registration=cursor.registration + 1))
+            moved = replace(moved, tasks=moved.tasks | {request.slot})
+            yield f"registers slot {request.slot}", self.on_register(workload, moved, request)
+
+    def on_message(self, workload: Workload, rank: Local, entries: list[tuple[int, int]]) -> Local:
+        raise NotImplementedError
+
+    def on_register(self, workload: Workload, rank: Local, request: Request) -> Local:
+        raise NotImplementedError
+
+
+def _request(workload: Workload, slot: int) -> Request:
+    return next(r for r in workload.registrations if r.slot == slot)
+
+
+def _newest_wins(waiting: tuple[tuple[int, int], ...], slot: int, position: int) -> tuple[tuple[int, int], ...]:
+    """A dict keyed by slot, updated in place (an existing key keeps its place), as Python's."""
+    if any(s == slot for s, _ in waiting):
+        return tuple((s, position if s == slot else p) for s, p in waiting)
+    return (*waiting, (slot, position))
+
+
+class ReadySplit(LocalRule):
+    """FastDeploy release/2.6 with PR 7872: a message's entries whose task is registered go out
+    as one batch now; the others wait in a dict (newest per slot wins) and each is queued alone
+    when its task registers, unless it claims more tokens than the task needs."""
+
+    name = "7872 (ready now, the rest on registration)"
+
+    def on_message(self, workload: Workload, rank: Local, entries: list[tuple[int, int]]) -> Local:
+        ready = tuple(p for s, p in entries if s in rank.tasks)
+        waiting = rank.waiting
+        for s, p in entries:
+            if s not in rank.tasks:
+                waiting = _newest_wins(waiting, s, p)
+        queue = (*rank.queue, ready) if ready else rank.queue
+        return replace(rank, waiting=waiting, queue=queue)
+
+    def on_register(self, workload: Workload, rank: Local, request: Request) -> Local:
+        held = [p for s, p in rank.waiting if s == request.slot]
+        waiting = tuple((s, p) for s, p in rank.waiting if s != request.slot)
+        queue = rank.queue
+        if held and _verdict_ok(workload, held[0], request):
+            queue = (*queue, (held[0],))
+        return replace(rank, waiting=waiting, queue=queue)
+
+
+class AllPending(ReadySplit):
+    """The rule after FastDeploy PR 8034/8035, as modelled: every entry goes to the dict
+    (newest per slot wins), and only the adder takes entries out, one batch each, when it
+    registers a task and on every turn of its polling loop (a move of its own here)."""
+
+    name = "8035 (everything through the adder's dict)"
+
+    def on_message(self, workload: Workload, rank: Local, entries: list[tuple[int, int]]) -> Local:
+        waiting = rank.waiting
+        for s, p in entries:
+            waiting = _newest_wins(waiting, s, p)
+        return replace(rank, waiting=waiting)
+
+    def on_register(self, workload: Workload, rank: Local, request: Request) -> Local:
+        return self.poll(workload, rank)
+
+    def poll(self, workload: Workload, rank: Local) -> Local:
+        taken = [(s, p) for s, p in rank.waiting if s in rank.tasks]
+        waiting = tuple((s, p) for s, p in rank.waiting if s not in rank.tasks)
+        queue = rank.queue
+        for s, p in taken:
+            if _verdict_ok(workload, p, _request(workload, s)):
+                queue = (*queue, (p,))
+        return replace(rank, waiting=waiting, queue=queue)
+
+    def rank_moves(self, workload: Workload, rank: Local) -> Iterator[tuple[str, Local]]:
+        yield from super().rank_moves(workload, rank)
+        if any(s in rank.tasks for s, _ in rank.waiting):
+            yield "adder polls the dict", self.poll(workload, rank)
+
+
+class StrictOrder(LocalRule):
+    """The bridge's group rule before this change: every entry its own batch, released in the
+    GPU's order, the head first, once its task is registered on the rank. A head whose task
+    never comes is given up only by a vote through Redis after ``pending_ttl_s``, which no
+    request may wait for, so the model has no such move."""
+
+    name = "strict GPU order (the head waits for its task)"
+
+    def on_message(self, workload: Workload, rank: Local, entries: list[tuple[int, int]]) -> Local:
+        return self.advance(workload, replace(rank, waiting=(*rank.waiting, *entries)))
+
+    def on_register(self, workload: Workload, rank: Local, request: Request) -> Local:
+        return self.advance(workload, rank)
+
+    def advance(self, workload: Workload, rank: Local) -> Local:
+        waiting, queue = list(rank.waiting), rank.queue
+        while waiting and waiting[0][0] in rank.tasks:
+            slot, position = waiting.pop(0)
+            if _verdict_ok(workload, position, _request(workload, slot)):
+                queue = (*queue, (position,))
+        return replace(rank, waiting=tuple(waiting), queue=queue)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank under ``ReadyByAll``: what it read, and what it told the group."""
+
+    cursor: Cursor = Cursor()
+    tasks: frozenset[int] = frozenset()
+    seen: frozenset[int] = frozenset()
+    """Stream positions read and not yet found ready."""
+    reported: frozenset[int] = frozenset()
+    """Found ready (reported, or to report once connected) and not queued yet."""
+    queue: tuple[Batch, ...] = ()
+    generation: int = 0
+    """The sequencer generation this rank has joined."""
+
+
+Report = tuple[int, ...]
+"""``(position,)``: a ready report; ``(-1, len(history), *history, *reported)`` packed as a
+join: what the rank queued, in order, and what it reported and has not queued."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """``ReadyByAll``'s whole state: the members, the channels and the sequencer."""
+
+    members: tuple[Member, ...]
+    up: tuple[tuple[Report, ...], ...]
+    """Per member, the reports on their way to the sequencer (FIFO, one connection)."""
+    down: tuple[tuple[int, ...], ...]
+    """Per member, the releases on their way from the sequencer (FIFO)."""
+    ready: tuple[tuple[int, frozenset[int]], ...] = ()
+    """Stream position -> the members that reported it ready (sorted by position)."""
+    released: tuple[int, ...] = ()
+    """The group's order: what every member queues, in this order."""
+    generation: int = 0
+    joins: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    """While a new sequencer gathers the ranks (None once all joined): rank -> its history."""
+    crashes_left: int = 0
+
+
+class ReadyByAll:
+    """The rule proposed for the group: each rank reports an entry ready once it has read it and
+    its task is registered there (an entry the task refuses is never reported); one sequencer
+    for the instance (a thread of one rank's process, over a socket only the instance's
+    processes reach) releases an entry once every rank reported it, and tells every rank, in
+    one order. An aborted request is never ready, so it holds nothing back; a task late on one
+    rank holds back its own request only. Nothing here travels through Redis.
+
+    The sequencer may die (``crashes`` times), losing its state and every message in flight. A
+    new one (a new generation) waits until every rank has joined with what it queued, in order,
+    and what it reported and has not queued; the longest history is the group's order so far
+    (they are prefixes of one order), each rank is sent what its own lacks, and the reports are
+    counted again."""
+
+    def __init__(self, crashes: int = 0) -> None:
+        self.crashes = crashes
+        self.name = "ready on every rank, one sequencer's order" + (
+            f" ({crashes} sequencer restart{'s' if crashes > 1 else ''})" if crashes else ""
+        )
+
+    def initial(self, workload: Workload, nranks: int) -> Agreement:
+        return Agreement(
+            tuple(Member() for _ in range(nranks)), ((),) * nranks, ((),) * nranks, crashes_left=self.crashes
+        )
+
+    def queues(self, state: Agreement) -> tuple[tuple[Batch, ...], ...]:
+        return tuple(member.queue for member in state.members)
+
+    def moves(self, workload: Workload, state: Agreement) -> Iterator[tuple[str, Agreement]]:
+        for r, member in enumerate(state.members):
+            cursor = member.cursor
+            if cursor.message < len(workload.messages):
+                read = frozenset(workload.positions(cursor.message))
+                moved = replace(member, cursor=replace(cursor, message=cursor.message + 1), seen=member.seen | read)
+                yield (
+                    f"rank {r}: reads message {list(workload.messages[cursor.message])}",
+                    self._report(workload, state, r, moved),
+                )
+            if cursor.registration < len(workload.registrations):
+                request = workload.registrations[cursor.registration]
+                moved = replace(
+                    member,
+                    cursor=replace(cursor, registration=cursor.registration + 1),
+                    tasks=member.tasks | {request.slot},
+                )
+                yield f"rank {r}: registers slot {request.slot}", self._report(workload, state, r, moved)
+            if member.generation < state.generation:
+                history = tuple(p for batch in member.queue for p in batch)
+                join = (-1, len(history), *history, *sorted(member.reported))
+                yield (
+                    f"rank {r}: joins generation {state.generation}",
+                    replace(
+                        state,
+                        members=_put(state.members, r, replace(member, generation=state.generation)),
+                        up=_put(state.up, r, (*state.up[r], join)),
+                    ),
+                )
+            if state.up[r]:
+                yield f"sequencer: hears rank {r} {_describe(state.up[r][0])}", self._hear(state, r)
+            if state.down[r]:
+                position, *rest = state.down[r]
+                queued = replace(member, queue=(*member.queue, (position,)), reported=member.reported - {position})
+                yield (
+                    f"rank {r}: queues {position}",
+                    replace(
+                        state,
+                        members=_put(state.members, r, queued),
+                        down=_put(state.down, r, tuple(rest)),
+                    ),
+                )
+        if state.crashes_left:
+            nranks = len(state.members)
+            yield (
+                "sequencer dies: its state and every message in flight are lost",
+                Agreement(
+                    state.members,
+                    ((),) * nranks,
+                    ((),) * nranks,
+                    generation=state.generation + 1,
+                    joins=(),
+                    crashes_left=state.crashes_left - 1,
+                ),
+            )
+
+    def _report(self, workload: Workload, state: Agreement, r: int, member: Member) -> Agreement:
+        """The rank reports, in stream order, what it has read whose task is now registered;
+        an entry its task refuses is dropped here, as on every rank (the task is the same). A
+        rank not joined to the current sequencer keeps them for its join."""
+        stream = workload.stream
+        ready = sorted(p for p in member.seen if stream[p][0] in member.tasks)
+        sendable = tuple(p for p in ready if _verdict_ok(workload, p, _request(workload, stream[p][0])))
+        member = replace(member, seen=member.seen - set(ready), reported=member.reported | set(sendable))
+        up = state.up
+        if member.generation == state.generation:
+            up = _put(up, r, (*up[r], *((p,) for p in sendable)))
+        return replace(state, members=_put(state.members, r, member), up=up)
+
+    def _hear(self, state: Agreement, r: int) -> Agreement:
+        report, *rest = state.up[r]
+        state = replace(state, up=_put(state.up, r, tuple(rest)))
+        ready = dict(state.ready)
+        if report[0] >= 0:
+            reported: tuple[int, ...] = report
+        else:
+            size = report[1]
+            history, reported = report[2 : 2 + size], report[2 + size :]
+            if state.joins is not None:
+                state = replace(state, joins=(*state.joins, (r, history)))
+        for position in reported:
+            ready[position] = ready.get(position, frozenset()) | {r}
+        state = replace(state, ready=tuple(sorted(ready.items())))
+        if state.joins is not None and len(state.joins) == len(state.members):
+            state = self._resume(state)
+        return state if state.joins is not None else self._release(state)
+
+    def _resume(self, state: Agreement) -> Agreement:
+        """Every rank joined: the longest history is the order so far; each rank is sent what
+        its own lacks."""
+        assert state.joins is not None
+        histories = dict(state.joins)
+        order = max(histories.values(), key=len)
+        down = tuple((*state.down[r], *order[len(histories[r]) :]) for r in range(len(state.members)))
+        return replace(state, joins=None, released=order, down=down)
+
+    def _release(self, state: Agreement) -> Agreement:
+        """Every entry all ranks reported, in stream order, once."""
+        nranks = len(state.members)
+        complete = [p for p, reporters in state.ready if len(reporters) == nranks]
+        ready = tuple((p, reporters) for p, reporters in state.ready if len(reporters) < nranks)
+        fresh = tuple(p for p in complete if p not in state.released)
+        down = tuple((*queue, *fresh) for queue in state.down)
+        return replace(state, ready=ready, down=down, released=(*state.released, *fresh))
+
+
+def _describe(report: Report) -> str:
+    if report[0] >= 0:
+        return f"ready {report[0]}"
+    size = report[1]
+    return f"join (queued {list(report[2 : 2 + size])}, reported {list(report[2 + size :])})"
+
+
+T = TypeVar("T")
+
+
+def _put(items: tuple[T, ...], index: int, item: T) -> tuple[T, ...]:
+    return (*items[:index], item, *items[index + 1 :])

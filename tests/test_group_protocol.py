@@ -1,0 +1,170 @@
+"""Every interleaving of a tensor-parallel group's layer-0 rule, checked (tests/group_protocol.py):
+FastDeploy's PR 7872 rule, the PR 8035 rule and the bridge's strict GPU order each fail with a
+counterexample; the rule proposed for the group (ready on every rank, one sequencer's order)
+holds on every workload, at 2 ranks and at 3."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.group_protocol import (
+    Agreement,
+    AllPending,
+    ReadyByAll,
+    ReadySplit,
+    Request,
+    StrictOrder,
+    Workload,
+    check_final,
+    check_state,
+    explore,
+)
+
+TWO_IN_ONE_MESSAGE = Workload(
+    messages=(((1, 64), (2, 64)),),
+    registrations=(Request(1, "a", 64), Request(2, "b", 64)),
+)
+"""Two live requests in one layer-0 message."""
+TWO_CHUNKS = Workload(
+    messages=(((1, 32),), ((1, 64),)),
+    registrations=(Request(1, "a", 64),),
+)
+"""One request prefilled in two chunks."""
+ABORTED_FIRST = Workload(
+    messages=(((9, 100),), ((1, 64),)),
+    registrations=(Request(1, "a", 64),),
+)
+"""A request aborted before its task registered (slot 9), then a live one."""
+REGISTERED_IN_ANOTHER_ORDER = Workload(
+    messages=(((1, 64),), ((2, 64),)),
+    registrations=(Request(2, "b", 64), Request(1, "a", 64)),
+)
+"""Tasks register in another order than their signals came."""
+MIXED = Workload(
+    messages=(((9, 50), (1, 32)), ((2, 64),), ((1, 64), (3, 500))),
+    registrations=(Request(2, "b", 64), Request(1, "a", 64), Request(3, "c", 100)),
+)
+"""An aborted request, a two-chunk request, a request whose signal claims more than it needs,
+and registrations in an order of their own."""
+WORKLOADS = {
+    "two_in_one_message": TWO_IN_ONE_MESSAGE,
+    "two_chunks": TWO_CHUNKS,
+    "aborted_first": ABORTED_FIRST,
+    "registered_in_another_order": REGISTERED_IN_ANOTHER_ORDER,
+    "mixed": MIXED,
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_ready_on_every_rank_in_one_order_holds_over_every_interleaving(name: str, nranks: int) -> None:
+    workload = WORKLOADS[name]
+    if nranks == 3 and name == "mixed":
+        workload = Workload(workload.messages[:2], workload.registrations[:2])
+    verdict = explore(ReadyByAll(), workload, nranks)
+    print(verdict.explain())
+    assert verdict.violation is None, verdict.explain()
+    assert verdict.states > 10
+
+
+@pytest.mark.parametrize("name", ["two_in_one_message", "two_chunks", "aborted_first", "registered_in_another_order"])
+def test_ready_by_all_holds_when_the_sequencer_dies_anywhere_and_a_new_one_gathers_the_ranks(name: str) -> None:
+    verdict = explore(ReadyByAll(crashes=1), WORKLOADS[name], 2)
+    print(verdict.explain())
+    assert verdict.violation is None, verdict.explain()
+
+
+def test_fastdeploy_7872_queues_one_message_as_one_batch_on_one_rank_and_two_on_another() -> None:
+    verdict = explore(ReadySplit(), TWO_IN_ONE_MESSAGE, 2)
+    print(verdict.explain())
+    assert verdict.violation is not None and verdict.violation.startswith("same batches"), verdict.explain()
+
+
+def test_fastdeploy_7872_sends_a_superseded_chunk_on_one_rank_only() -> None:
+    verdict = explore(ReadySplit(), TWO_CHUNKS, 2)
+    print(verdict.explain())
+    assert verdict.violation is not None and verdict.violation.startswith("same batches"), verdict.explain()
+
+
+def test_fastdeploy_8035_sends_a_chunk_one_adder_saw_and_another_found_superseded() -> None:
+    verdict = explore(AllPending(), TWO_CHUNKS, 2)
+    print(verdict.explain())
+    assert verdict.violation is not None and verdict.violation.startswith("same batches"), verdict.explain()
+
+
+def test_fastdeploy_8035_queues_in_each_adders_own_order() -> None:
+    one_message = Workload(TWO_IN_ONE_MESSAGE.messages, REGISTERED_IN_ANOTHER_ORDER.registrations)
+    verdict = explore(AllPending(), one_message, 2)
+    print(verdict.explain())
+    assert verdict.violation is not None and verdict.violation.startswith("same batches"), verdict.explain()
+
+
+def test_strict_gpu_order_holds_a_live_request_behind_an_aborted_one() -> None:
+    verdict = explore(StrictOrder(), ABORTED_FIRST, 2)
+    print(verdict.explain())
+    assert verdict.violation is not None and verdict.violation.startswith("served"), verdict.explain()
+    assert "slot 1" in verdict.violation
+
+
+def test_strict_gpu_order_agrees_when_no_request_is_aborted() -> None:
+    """What the strict order was built for still holds: it only fails on an aborted request."""
+    for workload in (TWO_IN_ONE_MESSAGE, TWO_CHUNKS, REGISTERED_IN_ANOTHER_ORDER):
+        verdict = explore(StrictOrder(), workload, 2)
+        assert verdict.violation is None, verdict.explain()
+
+
+# -- the checker's own properties catch what they name ---------------------------------------
+
+
+def test_check_state_names_the_first_batch_two_ranks_disagree_on() -> None:
+    broken = check_state(TWO_IN_ONE_MESSAGE, [((0, 1),), ((0,), (1,))])
+    assert broken is not None and "batch 0" in broken and "rank 0" in broken and "rank 1" in broken
+
+
+def test_check_state_catches_an_entry_queued_twice_and_chunks_out_of_order() -> None:
+    assert (check_state(TWO_CHUNKS, [((1,), (1,))]) or "").startswith("once")
+    assert (check_state(TWO_CHUNKS, [((1,), (0,))]) or "").startswith("slot order")
+    assert check_state(TWO_CHUNKS, [((0,), (1,)), ((0,),)]) is None
+
+
+def test_check_final_owes_each_registered_request_its_last_chunk_and_nothing_of_an_aborted_one() -> None:
+    assert check_final(ABORTED_FIRST, [((1,),), ((1,),)]) is None
+    assert (check_final(ABORTED_FIRST, [((1,),), ()]) or "").startswith("served: rank 1")
+    assert check_final(MIXED, [((1,), (2,), (3,))]) is None  # slot 3's 500 tokens exceed its need
+
+
+class _ResumesFromRankZero(ReadyByAll):
+    """A broken recovery: the new sequencer trusts rank 0's history alone."""
+
+    def _resume(self, state: Agreement) -> Agreement:
+        assert state.joins is not None
+        histories = dict(state.joins)
+        order = histories[0]
+        down = tuple((*state.down[r], *order[len(histories[r]) :]) for r in range(len(state.members)))
+        return replace(state, joins=None, released=order, down=down)
+
+
+class _ReleasesBeforeEveryRankJoined(ReadyByAll):
+    """A broken recovery: the new sequencer goes on from the first rank that joins, before it
+    knows what the others queued."""
+
+    def _hear(self, state: Agreement, r: int) -> Agreement:
+        state = super()._hear(state, r)
+        if not state.joins:
+            return state
+        histories = dict(state.joins)
+        order = max(histories.values(), key=len)
+        down = tuple(
+            (*queue, *order[len(histories[m]) :]) if m in histories else queue for m, queue in enumerate(state.down)
+        )
+        return self._release(replace(state, joins=None, released=order, down=down))
+
+
+@pytest.mark.parametrize("broken", [_ResumesFromRankZero, _ReleasesBeforeEveryRankJoined])
+def test_the_checker_catches_a_recovery_that_forgets_what_a_rank_queued(broken: type[ReadyByAll]) -> None:
+    verdicts = [explore(broken(crashes=1), workload, 2) for workload in WORKLOADS.values()]
+    failed = [verdict for verdict in verdicts if verdict.violation is not None]
+    print("\n".join(verdict.explain() for verdict in failed[:1]))
+    assert failed, "a broken recovery held on every workload"
