@@ -202,13 +202,10 @@ def test_the_patched_prefill_messager_builds_and_serves_with_a_one_argument_logg
             bridge.close()
 
 
-def test_a_logger_that_raises_never_reaches_the_messager(monkeypatch: pytest.MonkeyPatch, namespace: str) -> None:
-    """Building the bridge logs (the namespace it buffers in), and so do its hooks: a logger
-    that fails on every line changes nothing of what the messager sees."""
-    monkeypatch.setenv("RLS_REDIS_URL", "memory://raising-logger")
-    monkeypatch.setenv("RLS_NAMESPACE", namespace)
-    ready: queue.Queue[list[tuple[int, int]]] = queue.Queue()
-    bridge = bridge_for_messager(
+def prefill_bridge(ready: queue.Queue[list[tuple[int, int]]], logger: Any) -> Any:
+    """The bridge a prefill messager of rank 0 builds (RLS_REDIS_URL and RLS_NAMESPACE set by
+    the test), with ``logger`` as FastDeploy's."""
+    return bridge_for_messager(
         splitwise_role="prefill",
         pod_ip="10.0.0.7",
         engine_worker_queue_port=9923,
@@ -217,8 +214,17 @@ def test_a_logger_that_raises_never_reaches_the_messager(monkeypatch: pytest.Mon
         block_size=64,
         num_layers=LAYERS,
         ready=ready,
-        logger=RaisingLogger(),
+        logger=logger,
     )
+
+
+def test_a_logger_that_raises_never_reaches_the_messager(monkeypatch: pytest.MonkeyPatch, namespace: str) -> None:
+    """Building the bridge logs (the namespace it buffers in), and so do its hooks: a logger
+    that fails on every line changes nothing of what the messager sees."""
+    monkeypatch.setenv("RLS_REDIS_URL", "memory://raising-logger")
+    monkeypatch.setenv("RLS_NAMESPACE", namespace)
+    ready: queue.Queue[list[tuple[int, int]]] = queue.Queue()
+    bridge = prefill_bridge(ready, RaisingLogger())
     assert bridge is not None
     try:
         info = {"request_id": "r1", "current_id": 5, "need_prefill_tokens": 64, "src_block_ids": [0]}
@@ -243,17 +249,7 @@ def test_an_outage_reaches_a_one_argument_logger_as_one_line_naming_its_cause(
     monkeypatch.setenv("RLS_RETRY_S", "0.2")
     logger = OneArgumentLogger()
     ready: queue.Queue[list[tuple[int, int]]] = queue.Queue()
-    bridge = bridge_for_messager(
-        splitwise_role="prefill",
-        pod_ip="10.0.0.7",
-        engine_worker_queue_port=9923,
-        rank=0,
-        nranks=1,
-        block_size=64,
-        num_layers=LAYERS,
-        ready=ready,
-        logger=logger,
-    )
+    bridge = prefill_bridge(ready, logger)
     assert bridge is not None
     try:
         bridge.on_cache_task(
