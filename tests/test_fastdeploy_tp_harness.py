@@ -192,8 +192,11 @@ def test_simulate_tp_refuses_what_it_cannot_run_naming_the_option(
     assert "OK" not in done.stdout
 
 
-def test_simulate_help_describes_tp(rls: Callable[..., Done]) -> None:
+def test_simulate_help_describes_tp_and_names_the_page_that_says_more(rls: Callable[..., Done]) -> None:
     done = rls("simulate", "--help")
     assert done.returncode == 0
     text = " ".join(done.stdout.replace("│", " ").split())  # the help's box, unwrapped
-    assert "--tp" in text and "tensor-parallel group" in text and "barrier" in text
+    assert "--tp <n> Instead: N-rank tensor-parallel groups" in text
+    assert "--tp in simulation.md" in text
+    page = (Path(__file__).resolve().parents[1] / "docs" / "simulation.md").read_text()
+    assert "--tp" in page and "barrier" in page
