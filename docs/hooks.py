@@ -9,9 +9,11 @@ r"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothin
 - in tables, a name (``--chunk-tokens``, ``sentinel-redis-1``) never breaks, and a metric with
   labels (``rls_dropped_total{reason="over_need"}``) only before its ``{``, in a later column
   (with docs/stylesheets/extra.css);
-- mermaid.js, which draws the diagrams, is published from the pinned npm package `make docs`
-  installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads it from a CDN. A
-  build without it fails: the diagrams would be fetched from the network or not drawn.
+- mermaid.js, which draws the diagrams, and iframe-worker's shim, which runs the search worker
+  when the site is opened from the file system, are published from the pinned npm packages
+  `make docs` installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads a
+  script from a CDN. A build without them fails: the diagrams would be fetched from the network
+  or not drawn, and search would not work from ``file://``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ CLI_MARKER = "<!-- rls-cli-reference -->"
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ("benchmarks/results",)
 """Repository folders published as they are, under the same path in the site."""
-MERMAID_JS = "js/mermaid.min.js"
-"""Where the site serves mermaid.js (mkdocs.yml ``extra_javascript``)."""
+NPM_SCRIPTS = {
+    "js/mermaid.min.js": "mermaid/dist/mermaid.min.js",
+    "js/iframe-worker-shim.js": "iframe-worker/shim/index.js",
+}
+"""Where the site serves each script of an npm package (mkdocs.yml ``extra_javascript`` and
+``extra.polyfills``), and the file of node_modules it is."""
 
 
 def node_modules() -> Path:
@@ -46,10 +52,11 @@ def on_files(files: Any, config: Any) -> Any:
             if path.is_file():
                 uri = path.relative_to(ROOT).as_posix()
                 files.append(File.generated(config, uri, abs_src_path=str(path), inclusion=InclusionLevel.NOT_IN_NAV))
-    mermaid = node_modules() / "mermaid" / "dist" / "mermaid.min.js"
-    if not mermaid.is_file():
-        raise PluginError(f"{mermaid} is missing: run `make docs-env` (it installs the pinned mermaid npm package)")
-    files.append(File.generated(config, MERMAID_JS, abs_src_path=str(mermaid), inclusion=InclusionLevel.NOT_IN_NAV))
+    for uri, package_file in NPM_SCRIPTS.items():
+        script = node_modules() / package_file
+        if not script.is_file():
+            raise PluginError(f"{script} is missing: run `make docs-env` (it installs the pinned npm packages)")
+        files.append(File.generated(config, uri, abs_src_path=str(script), inclusion=InclusionLevel.NOT_IN_NAV))
     return files
 
 
