@@ -59,7 +59,7 @@ class Browser:
     """One headless Chromium with one page; ``close()`` ends it (or use ``with``)."""
 
     def __init__(self, width: int, height: int) -> None:
-        self._profile = tempfile.TemporaryDirectory(prefix="rls-chromium-")
+        self._profile = tempfile.TemporaryDirectory(prefix="rls-chromium-", ignore_cleanup_errors=True)
         to_browser_r, self._to_browser = _high_pipe()
         self._from_browser, from_browser_w = _high_pipe()
 
@@ -94,8 +94,16 @@ class Browser:
         self.close()
 
     def close(self) -> None:
-        self._process.kill()
-        self._process.wait(timeout=TIMEOUT_S)
+        """Ask chromium to quit (its helper processes with it), then kill it if it lingers."""
+        try:
+            self._command("Browser.close")
+        except BrowserError:
+            pass  # it quit before answering, as it may
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(timeout=TIMEOUT_S)
         os.close(self._to_browser)
         os.close(self._from_browser)
         self._profile.cleanup()

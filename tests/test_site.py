@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
 
@@ -421,3 +422,92 @@ def test_the_diagrams_are_drawn_from_the_file_system(site: Path, browser: Browse
                 .length"""
         )
         assert drawn == len(diagrams(ROOT / source)), source
+
+
+# -- every page reads on a phone -----------------------------------------------------------------
+
+LAYOUT = """(() => {
+  for (const details of document.querySelectorAll("details")) details.open = true;  // ??? blocks
+  const width = window.innerWidth;
+  const box = e => e.getBoundingClientRect();
+  const meets = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  const covered = [], scrolling = [], miscopied = [];
+  for (const pre of document.querySelectorAll("pre")) {
+    const code = pre.querySelector(":scope > code");
+    if (!code || !pre.checkVisibility()) continue;
+    const name = (pre.id || pre.parentElement.className) + ": " + code.textContent.split("\\n")[0].slice(0, 40);
+    if (code.scrollWidth > code.clientWidth + 1) scrolling.push(name);
+    // What the copy button copies: the block's innerText while Material marks it copying.
+    code.setAttribute("data-md-copying", "");
+    if (code.innerText.trimEnd() !== code.textContent.trimEnd()) miscopied.push(name);
+    code.removeAttribute("data-md-copying");
+    const button = pre.querySelector(".md-code__nav");  // the copy button on its own background
+    if (!button) continue;
+    // The words of the first line (it may wrap; spaces left hanging at a wrap show nothing),
+    // against the copy button.
+    const glyphs = [], walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(), ended = false; node && !ended; node = walker.nextNode()) {
+      const end = node.data.indexOf("\\n");
+      ended = end >= 0;
+      for (const word of node.data.slice(0, ended ? end : undefined).matchAll(/\\S+/g)) {
+        const range = document.createRange();
+        range.setStart(node, word.index);
+        range.setEnd(node, word.index + word[0].length);
+        glyphs.push(...range.getClientRects());
+      }
+    }
+    if (glyphs.some(r => meets(r, box(button)))) covered.push(name);
+  }
+  return {width, scrollWidth: document.documentElement.scrollWidth, covered, scrolling, miscopied};
+})()"""
+
+
+def site_pages(site: Path) -> list[Path]:
+    return sorted(site.rglob("*.html"))
+
+
+def layouts(site: Path, browser: Browser, size: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    """The LAYOUT of every page at a window size (and its screenshot, into RLS_SITE_SHOTS)."""
+    shots = os.environ.get(SHOTS_ENV)
+    browser.resize(*size)
+    found = {}
+    try:
+        for page in site_pages(site):
+            name = page.relative_to(site).as_posix()
+            browser.open(page.as_uri())
+            found[name] = browser.evaluate(LAYOUT)
+            if shots:
+                Path(shots).mkdir(parents=True, exist_ok=True)
+                browser.screenshot(Path(shots) / f"{name.replace('/', '_')[:-5]}-{size[0]}.png")
+    finally:
+        browser.resize(*DESKTOP)
+    return found
+
+
+def blocks_where(found: dict[str, dict[str, Any]], problem: str) -> list[str]:
+    """The code blocks of every page that LAYOUT lists under ``problem``, as ``page: block``."""
+    return [f"{name}: {block}" for name, layout in found.items() for block in layout[problem]]
+
+
+def test_on_a_phone_no_page_scrolls_sideways_no_code_runs_past_its_box_and_no_copy_button_covers_code(
+    site: Path, browser: Browser
+) -> None:
+    """At 390 px: the page is no wider than the screen (a wide table scrolls in its own box),
+    code wraps inside its box, the copy button sits beside the first line, not on it, and it
+    copies the code as written."""
+    found = layouts(site, browser, PHONE)
+    assert {layout["width"] for layout in found.values()} == {PHONE[0]}
+    assert [
+        f"{name}: {layout['scrollWidth']} px" for name, layout in found.items() if layout["scrollWidth"] != PHONE[0]
+    ] == []
+    assert blocks_where(found, "covered") == []
+    assert blocks_where(found, "scrolling") == []
+    assert blocks_where(found, "miscopied") == []
+
+
+def test_on_a_desktop_no_copy_button_covers_code_and_it_copies_the_code_as_written(
+    site: Path, browser: Browser
+) -> None:
+    found = layouts(site, browser, DESKTOP)
+    assert blocks_where(found, "covered") == []
+    assert blocks_where(found, "miscopied") == []
