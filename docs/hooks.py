@@ -85,13 +85,27 @@ CELL_CODE = re.compile(r"<code>([^<]*)</code>")
 MARKED_CODE = re.compile(r"<code[^>]*>[^<]*</code>")
 
 
+CODE_BLOCK = re.compile(r'<div class="([^"]*\bhighlight\b[^"]*)">(<pre.*?</pre>)</div>', re.DOTALL)
+BOX_DRAWING = re.compile("[\u2500-\u257f]")
+"""The characters a command draws its tables with (``rls stats``, ``rls inspect``)."""
+
+
 def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
     """In tables: a name (a code span without a space) is marked ``rls-name`` and never wraps,
     not even at its hyphens (extra.css); a ``{`` in the code of a later column gets a break
     opportunity before it (the first column keeps its names whole: Chrome breaks at a
-    ``<wbr>`` even under ``nowrap``)."""
+    ``<wbr>`` even under ``nowrap``). A code block that draws a table with box-drawing
+    characters is marked ``rls-drawing``: it scrolls in its box instead of wrapping, which would
+    tear its rows apart."""
     html = TABLE_CELL.sub(lambda cell: CELL_CODE.sub(_mark_name, cell.group(0)), html)
-    return TABLE_ROW.sub(lambda row: row.group(1) + MARKED_CODE.sub(_break_before_labels, row.group(2)), html)
+    html = TABLE_ROW.sub(lambda row: row.group(1) + MARKED_CODE.sub(_break_before_labels, row.group(2)), html)
+    return CODE_BLOCK.sub(_mark_drawing, html)
+
+
+def _mark_drawing(block: re.Match[str]) -> str:
+    if not BOX_DRAWING.search(block.group(2)):
+        return block.group(0)
+    return f'<div class="{block.group(1)} rls-drawing">{block.group(2)}</div>'
 
 
 def _break_before_labels(code: re.Match[str]) -> str:

@@ -9,6 +9,7 @@ on the PATH). One page, whose window size the tests set, opens the built site ov
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -95,10 +96,8 @@ class Browser:
 
     def close(self) -> None:
         """Ask chromium to quit (its helper processes with it), then kill it if it lingers."""
-        try:
+        with contextlib.suppress(BrowserError):  # it may quit before it answers
             self._command("Browser.close")
-        except BrowserError:
-            pass  # it quit before answering, as it may
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -436,7 +436,8 @@ LAYOUT = """(() => {
     const code = pre.querySelector(":scope > code");
     if (!code || !pre.checkVisibility()) continue;
     const name = (pre.id || pre.parentElement.className) + ": " + code.textContent.split("\\n")[0].slice(0, 40);
-    if (code.scrollWidth > code.clientWidth + 1) scrolling.push(name);
+    const drawing = pre.closest(".rls-drawing") !== null;  // a table drawn in characters scrolls
+    if (code.scrollWidth > code.clientWidth + 1 && !drawing) scrolling.push(name);
     // What the copy button copies: the block's innerText while Material marks it copying.
     code.setAttribute("data-md-copying", "");
     if (code.innerText.trimEnd() !== code.textContent.trimEnd()) miscopied.push(name);
@@ -460,6 +461,21 @@ LAYOUT = """(() => {
   }
   return {width, scrollWidth: document.documentElement.scrollWidth, covered, scrolling, miscopied};
 })()"""
+
+
+def test_only_tables_drawn_in_characters_are_kept_from_wrapping(site: Path) -> None:
+    """docs/hooks.py marks ``rls-drawing`` the code blocks that draw with box-drawing characters
+    (they scroll on a phone rather than wrap), and no other block."""
+    marked, drawn = 0, 0
+    for page in site_pages(site):
+        for block in re.finditer(
+            r'<div class="([^"]*\bhighlight\b[^"]*)"><pre.*?</pre></div>', page.read_text(), re.DOTALL
+        ):
+            draws = re.search("[\u2500-\u257f]", block.group(0)) is not None
+            assert draws == ("rls-drawing" in block.group(1).split()), (page.name, block.group(0)[:200])
+            marked += draws
+            drawn += "rls-drawing" in block.group(1)
+    assert marked >= 1 and marked == drawn
 
 
 def site_pages(site: Path) -> list[Path]:
