@@ -379,9 +379,7 @@ def test_every_link_of_the_site_names_a_file_that_exists_and_the_anchor_it_point
         return parsed[page]
 
     broken, checked = [], 0
-    for page in sorted(site.rglob("*.html")):
-        if page.name == "404.html":
-            continue  # served at any depth by a web server: its links are absolute
+    for page in site_pages(site):
         for href in links_of(page).links:
             if re.match(r"^([a-z]+:)?//|^[a-z]+:", href):
                 continue
@@ -479,7 +477,9 @@ def test_only_tables_drawn_in_characters_are_kept_from_wrapping(site: Path) -> N
 
 
 def site_pages(site: Path) -> list[Path]:
-    return sorted(site.rglob("*.html"))
+    """The pages a reader opens; not 404.html, which a web server serves at any depth, so its
+    links are absolute and it shows unstyled from the file system."""
+    return sorted(page for page in site.rglob("*.html") if page.name != "404.html")
 
 
 def layouts(site: Path, browser: Browser, size: tuple[int, int]) -> dict[str, dict[str, Any]]:
