@@ -9,6 +9,8 @@ r"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothin
 - in tables, a name (``--chunk-tokens``, ``sentinel-redis-1``) never breaks, and a metric with
   labels (``rls_dropped_total{reason="over_need"}``) only before its ``{``, in a later column
   (with docs/stylesheets/extra.css);
+- a code block that draws a table in box-drawing characters (``rls stats``) is marked
+  ``rls-drawing``, so that it scrolls on a phone where every other code block wraps;
 - mermaid.js, which draws the diagrams, and iframe-worker's shim, which runs the search worker
   when the site is opened from the file system, are published from the pinned npm packages
   `make docs` installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads a
