@@ -429,7 +429,7 @@ LAYOUT = """(() => {
   const width = window.innerWidth;
   const box = e => e.getBoundingClientRect();
   const meets = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
-  const covered = [], scrolling = [], miscopied = [];
+  const covered = [], scrolling = [], miscopied = [], unbuttoned = [];
   for (const pre of document.querySelectorAll("pre")) {
     const code = pre.querySelector(":scope > code");
     if (!code || !pre.checkVisibility()) continue;
@@ -441,7 +441,7 @@ LAYOUT = """(() => {
     if (code.innerText.trimEnd() !== code.textContent.trimEnd()) miscopied.push(name);
     code.removeAttribute("data-md-copying");
     const button = pre.querySelector(".md-code__nav");  // the copy button on its own background
-    if (!button) continue;
+    if (!button) { unbuttoned.push(name); continue; }
     // The words of the first line (it may wrap; spaces left hanging at a wrap show nothing),
     // against the copy button.
     const glyphs = [], walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
@@ -457,7 +457,8 @@ LAYOUT = """(() => {
     }
     if (glyphs.some(r => meets(r, box(button)))) covered.push(name);
   }
-  return {width, scrollWidth: document.documentElement.scrollWidth, covered, scrolling, miscopied};
+  const blocks = document.querySelectorAll("pre > code").length;
+  return {width, scrollWidth: document.documentElement.scrollWidth, blocks, covered, scrolling, miscopied, unbuttoned};
 })()"""
 
 
@@ -512,6 +513,8 @@ def test_on_a_phone_no_page_scrolls_sideways_no_code_runs_past_its_box_and_no_co
     code wraps inside its box, the copy button sits beside the first line, not on it, and it
     copies the code as written."""
     found = layouts(site, browser, PHONE)
+    assert sum(layout["blocks"] for layout in found.values()) > 100
+    assert blocks_where(found, "unbuttoned") == []  # every code block was checked
     assert {layout["width"] for layout in found.values()} == {PHONE[0]}
     assert [
         f"{name}: {layout['scrollWidth']} px" for name, layout in found.items() if layout["scrollWidth"] != PHONE[0]
@@ -525,5 +528,6 @@ def test_on_a_desktop_no_copy_button_covers_code_and_it_copies_the_code_as_writt
     site: Path, browser: Browser
 ) -> None:
     found = layouts(site, browser, DESKTOP)
+    assert blocks_where(found, "unbuttoned") == []
     assert blocks_where(found, "covered") == []
     assert blocks_where(found, "miscopied") == []
