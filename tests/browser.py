@@ -43,7 +43,7 @@ class BrowserError(RuntimeError):
 def chromium() -> str:
     named = os.environ.get("RLS_CHROMIUM") or shutil.which("chromium")
     if not named or not Path(named).exists():
-        raise BrowserError("chromium is missing: `make docs-env` installs it (apt-get install chromium)")
+        raise BrowserError("chromium is missing: `make docs-browser` installs it as root (apt-get install chromium)")
     return named
 
 

@@ -1,6 +1,9 @@
 """The built documentation site is whole: `mkdocs build --strict` passes, every image a page
 shows is in the site, the site serves mermaid.js itself (no CDN), and every Mermaid diagram of
-the README and the pages parses with that very mermaid (in node, tests/mermaid_check.mjs).
+the README and the pages parses with that very mermaid (in node, tests/mermaid_check.mjs). Opened
+from the file system in headless Chromium (tests/browser.py; Debian's ``chromium``, which
+`make docs-browser` installs), its links, search and diagrams work, and every page reads at a
+phone's 390 px and a desktop's 1,280 px.
 
 The site builds with the docs environment `make docs-env` creates (``RLS_DOCS_PYTHON``, else
 ``.venv-docs``, else this interpreter) and the npm packages it installs (``RLS_DOCS_NODE``, else
