@@ -31,6 +31,7 @@ FLAGS = (
     "--disable-component-update",
     "--disable-sync",
     "--hide-scrollbars",
+    "--disable-dev-shm-usage",  # a container's small /dev/shm would crash the renderer
     "--remote-debugging-pipe",
 )
 TIMEOUT_S = 60.0
