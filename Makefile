@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-drop dist check check-servers test lint typecheck pytest pythons servers bench docs docs-check docs-env clean
+.PHONY: demo demo-drop dist check check-servers test lint typecheck pytest pythons servers bench docs docs-check docs-env docs-browser clean
 
 # The other supported Pythons: `make test` runs the behaviour suite on each (see `pythons`).
 PYENV_ROOT ?= $(HOME)/.pyenv
@@ -98,7 +98,7 @@ typecheck: $(STAMP)
 # the topology and fault tests again with Valkey 8.1 as the server every fixture starts.
 VALKEY_AGAIN := tests/test_cluster.py tests/test_sentinel.py tests/test_faults.py
 
-pytest: $(STAMP) servers docs-env
+pytest: $(STAMP) servers docs-env docs-browser
 	$(BIN)/pytest
 	RLS_TEST_SERVER=valkey $(BIN)/pytest -q $(VALKEY_AGAIN)
 
@@ -139,14 +139,17 @@ test: lint typecheck docs-check pytest pythons
 # Material, mkdocstrings and the package (docs/hooks.py renders the CLI reference from it),
 # without paddle or the test tools. The diagrams are drawn by mermaid.js, which the pages load
 # from the site itself (no CDN): a pinned npm package, installed into a cache folder and
-# published by docs/hooks.py. jsdom lets tests/test_site.py parse every diagram with it.
+# published by docs/hooks.py, as is iframe-worker's shim, which lets search work when the site is
+# opened from the file system. jsdom lets tests/test_site.py parse every diagram with mermaid, and
+# Debian's chromium (`docs-browser`) lets it open the built pages.
 DOCS_VENV ?= .venv-docs
 DOCS_BIN := $(DOCS_VENV)/bin
 DOCS_STAMP := $(DOCS_VENV)/.installed-stamp
 DOCS_NODE ?= .cache/docs-node
 MERMAID_VERSION := 11.17.2
 JSDOM_VERSION := 26.1.0
-NODE_STAMP := $(DOCS_NODE)/.installed-mermaid-$(MERMAID_VERSION)-jsdom-$(JSDOM_VERSION)
+IFRAME_WORKER_VERSION := 1.0.4
+NODE_STAMP := $(DOCS_NODE)/.installed-mermaid-$(MERMAID_VERSION)-jsdom-$(JSDOM_VERSION)-iframe-worker-$(IFRAME_WORKER_VERSION)
 export RLS_DOCS_NODE := $(abspath $(DOCS_NODE))
 export RLS_DOCS_PYTHON := $(abspath $(DOCS_BIN))/python
 
@@ -161,15 +164,24 @@ $(NODE_STAMP):
 	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
 	  else echo "install node and npm: sudo apt-get install nodejs npm" >&2; exit 1; fi; }
 	mkdir -p $(DOCS_NODE)
-	cd $(DOCS_NODE) && npm install --no-audit --no-fund --silent mermaid@$(MERMAID_VERSION) jsdom@$(JSDOM_VERSION)
+	cd $(DOCS_NODE) && npm install --no-audit --no-fund --silent mermaid@$(MERMAID_VERSION) jsdom@$(JSDOM_VERSION) \
+	  iframe-worker@$(IFRAME_WORKER_VERSION)
 	touch $(NODE_STAMP)
 
 docs-env: $(DOCS_STAMP) $(NODE_STAMP)
 
-# `make docs` builds the site into site/; `make test` builds it with --strict, so a broken link,
-# a missing API reference or a missing mermaid.js fails the run.
+# tests/test_site.py opens the built pages in a headless chromium (Debian's package).
+docs-browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "tests/test_site.py opens the site in chromium: sudo apt-get install chromium" >&2; exit 1; fi; }
+
+# `make docs` builds the site into site/, whose pages open from the file system (no server);
+# `make test` builds it with --strict, so a broken link, a missing API reference or a missing
+# mermaid.js fails the run.
 docs: docs-env
 	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict --site-dir site
+	@echo "The site is built: open file://$(abspath site)/index.html in a browser (no server needed)."
 
 docs-check: docs-env
 	NO_MKDOCS_2_WARNING=1 $(DOCS_BIN)/mkdocs build --strict --quiet --site-dir site
@@ -177,10 +189,11 @@ docs-check: docs-env
 # `make check`: lint, types, the site and the suite for a contributor without root or pyenv, in
 # the same .venv; CI runs `make test` (.ci/run). It installs nothing with apt-get: the binaries
 # below must be there already (redis-server starts every server of the suite, Sentinel and
-# Cluster included; localedef builds the collation test's locale), and `docs-env` wants npm. It
-# deselects, by marker, the tests that need root or Debian's prometheus package, and runs no other
-# Python and no second Valkey pass; the last lines it prints say so. CHECK_TESTS narrows the run.
-CHECK_BINARIES := redis-server redis-cli redis-sentinel docker-compose openssl localedef
+# Cluster included; localedef builds the collation test's locale; chromium opens the site), and
+# `docs-env` wants npm. It deselects, by marker, the tests that need root or Debian's prometheus
+# package, and runs no other Python and no second Valkey pass; the last lines it prints say so.
+# CHECK_TESTS narrows the run.
+CHECK_BINARIES := redis-server redis-cli redis-sentinel docker-compose openssl localedef chromium
 CHECK_MARKERS := not netns and not prometheus
 CHECK_TESTS ?=
 
@@ -188,7 +201,7 @@ check-servers:
 	@missing=""; \
 	for tool in $(CHECK_BINARIES); do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ]; then \
-	  echo "make check needs:$$missing (sudo apt-get install redis-server redis-tools redis-sentinel docker-compose openssl libc-bin)" >&2; \
+	  echo "make check needs:$$missing (sudo apt-get install redis-server redis-tools redis-sentinel docker-compose openssl libc-bin chromium)" >&2; \
 	  exit 1; \
 	fi
 

@@ -9,9 +9,13 @@ r"""MkDocs hooks of this site (mkdocs.yml ``hooks:``), with no plugin and nothin
 - in tables, a name (``--chunk-tokens``, ``sentinel-redis-1``) never breaks, and a metric with
   labels (``rls_dropped_total{reason="over_need"}``) only before its ``{``, in a later column
   (with docs/stylesheets/extra.css);
-- mermaid.js, which draws the diagrams, is published from the pinned npm package `make docs`
-  installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads it from a CDN. A
-  build without it fails: the diagrams would be fetched from the network or not drawn.
+- a code block that draws a table in box-drawing characters (``rls stats``) is marked
+  ``rls-drawing``, so that it scrolls on a phone where every other code block wraps;
+- mermaid.js, which draws the diagrams, and iframe-worker's shim, which runs the search worker
+  when the site is opened from the file system, are published from the pinned npm packages
+  `make docs` installs (``RLS_DOCS_NODE``, default ``.cache/docs-node``), so no page loads a
+  script from a CDN. A build without them fails: the diagrams would be fetched from the network
+  or not drawn, and search would not work from ``file://``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ CLI_MARKER = "<!-- rls-cli-reference -->"
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ("benchmarks/results",)
 """Repository folders published as they are, under the same path in the site."""
-MERMAID_JS = "js/mermaid.min.js"
-"""Where the site serves mermaid.js (mkdocs.yml ``extra_javascript``)."""
+NPM_SCRIPTS = {
+    "js/mermaid.min.js": "mermaid/dist/mermaid.min.js",
+    "js/iframe-worker-shim.js": "iframe-worker/shim/index.js",
+}
+"""Where the site serves each script of an npm package (mkdocs.yml ``extra_javascript`` and
+``extra.polyfills``), and the file of node_modules it is."""
 
 
 def node_modules() -> Path:
@@ -46,10 +54,11 @@ def on_files(files: Any, config: Any) -> Any:
             if path.is_file():
                 uri = path.relative_to(ROOT).as_posix()
                 files.append(File.generated(config, uri, abs_src_path=str(path), inclusion=InclusionLevel.NOT_IN_NAV))
-    mermaid = node_modules() / "mermaid" / "dist" / "mermaid.min.js"
-    if not mermaid.is_file():
-        raise PluginError(f"{mermaid} is missing: run `make docs-env` (it installs the pinned mermaid npm package)")
-    files.append(File.generated(config, MERMAID_JS, abs_src_path=str(mermaid), inclusion=InclusionLevel.NOT_IN_NAV))
+    for uri, package_file in NPM_SCRIPTS.items():
+        script = node_modules() / package_file
+        if not script.is_file():
+            raise PluginError(f"{script} is missing: run `make docs-env` (it installs the pinned npm packages)")
+        files.append(File.generated(config, uri, abs_src_path=str(script), inclusion=InclusionLevel.NOT_IN_NAV))
     return files
 
 
@@ -78,13 +87,27 @@ CELL_CODE = re.compile(r"<code>([^<]*)</code>")
 MARKED_CODE = re.compile(r"<code[^>]*>[^<]*</code>")
 
 
+CODE_BLOCK = re.compile(r'<div class="([^"]*\bhighlight\b[^"]*)">(<pre.*?</pre>)</div>', re.DOTALL)
+BOX_DRAWING = re.compile("[\u2500-\u257f]")
+"""The characters a command draws its tables with (``rls stats``, ``rls inspect``)."""
+
+
 def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
     """In tables: a name (a code span without a space) is marked ``rls-name`` and never wraps,
     not even at its hyphens (extra.css); a ``{`` in the code of a later column gets a break
     opportunity before it (the first column keeps its names whole: Chrome breaks at a
-    ``<wbr>`` even under ``nowrap``)."""
+    ``<wbr>`` even under ``nowrap``). A code block that draws a table with box-drawing
+    characters is marked ``rls-drawing``: it scrolls in its box instead of wrapping, which would
+    tear its rows apart."""
     html = TABLE_CELL.sub(lambda cell: CELL_CODE.sub(_mark_name, cell.group(0)), html)
-    return TABLE_ROW.sub(lambda row: row.group(1) + MARKED_CODE.sub(_break_before_labels, row.group(2)), html)
+    html = TABLE_ROW.sub(lambda row: row.group(1) + MARKED_CODE.sub(_break_before_labels, row.group(2)), html)
+    return CODE_BLOCK.sub(_mark_drawing, html)
+
+
+def _mark_drawing(block: re.Match[str]) -> str:
+    if not BOX_DRAWING.search(block.group(2)):
+        return block.group(0)
+    return f'<div class="{block.group(1)} rls-drawing">{block.group(2)}</div>'
 
 
 def _break_before_labels(code: re.Match[str]) -> str:

@@ -1,6 +1,9 @@
 """The built documentation site is whole: `mkdocs build --strict` passes, every image a page
 shows is in the site, the site serves mermaid.js itself (no CDN), and every Mermaid diagram of
-the README and the pages parses with that very mermaid (in node, tests/mermaid_check.mjs).
+the README and the pages parses with that very mermaid (in node, tests/mermaid_check.mjs). Opened
+from the file system in headless Chromium (tests/browser.py; Debian's ``chromium``, which
+`make docs-browser` installs), its links, search and diagrams work, and every page reads at a
+phone's 390 px and a desktop's 1,280 px.
 
 The site builds with the docs environment `make docs-env` creates (``RLS_DOCS_PYTHON``, else
 ``.venv-docs``, else this interpreter) and the npm packages it installs (``RLS_DOCS_NODE``, else
@@ -15,10 +18,17 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
 
 import pytest
+import yaml
+
+from tests.browser import Browser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -28,6 +38,7 @@ MERMAID_FENCE = re.compile(r"^```mermaid\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 PAGES_WITH_DIAGRAMS = ("README.md", "docs/index.md", "docs/concepts.md", "docs/key-layout.md")
 PLOTS = ("benchmarks/results/latency_vs_batch.png", "benchmarks/results/latency_vs_pending.png")
 BUILD_TIMEOUT_S = 240
+SITE_NAME = "redis-layer-signals"
 
 
 def docs_python() -> str:
@@ -87,9 +98,8 @@ def refs(page: Path) -> _Refs:
 
 
 def built_page(site: Path, source: str) -> Path:
-    """The HTML file mkdocs writes for a page of docs/ (use_directory_urls)."""
-    relative = Path(source).relative_to("docs").with_suffix("")
-    return site / "index.html" if relative.name == "index" else site / relative / "index.html"
+    """The HTML file mkdocs writes for a page of docs/ (``use_directory_urls: false``)."""
+    return site / Path(source).relative_to("docs").with_suffix(".html")
 
 
 def diagrams(page: Path) -> list[str]:
@@ -228,9 +238,7 @@ def visible_text(page: Path) -> str:
 
 def source_of(site: Path, page: Path) -> Path | None:
     """The Markdown file a built page came from (docs/, or benchmarks/results/ published as is)."""
-    relative = page.parent.relative_to(site).as_posix()
-    if relative == ".":
-        return DOCS / "index.md"
+    relative = page.relative_to(site).with_suffix("").as_posix()
     for candidate in (DOCS / f"{relative}.md", ROOT / f"{relative}.md"):
         if candidate.is_file():
             return candidate
@@ -275,3 +283,254 @@ def test_the_history_check_finds_issue_numbers_and_rounds_but_not_round_trips() 
     said = "issue 13 measured it; fixed in #17 at the end of the round, this change's; a session"
     assert [m.group(0) for m in HISTORY.finditer(said)] == ["issue 13", "#17", "round", "this change", "session"]
     assert not HISTORY.search("one round trip per call, round-trips, PR 7872, slot 3, &#124;")
+
+
+# -- the site opens from the file system ---------------------------------------------------------
+# A reader opens site/index.html as a file, without a server: every link must name an HTML file
+# (a folder would show the browser's directory listing), and search and the diagrams must work
+# from there too. Checked in headless Chromium (tests/browser.py).
+
+PHONE = (390, 844)
+DESKTOP = (1280, 900)
+SHOTS_ENV = "RLS_SITE_SHOTS"
+"""A folder: the phone and desktop tests save there a screenshot of every page they look at."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """mkdocs.yml as data: the Python names it refers to (``!!python/name:``) read as None."""
+
+
+_ConfigLoader.add_multi_constructor("tag:yaml.org,2002:python/name:", lambda loader, suffix, node: None)
+
+
+def nav_pages() -> list[tuple[str, str]]:
+    """(title, source) of every page of mkdocs.yml's nav, in order."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_ConfigLoader)
+    pages: list[tuple[str, str]] = []
+
+    def walk(items: list[dict[str, object]]) -> None:
+        for item in items:
+            for title, value in item.items():
+                if isinstance(value, list):
+                    walk(value)
+                else:
+                    pages.append((title, str(value)))
+
+    walk(config["nav"])
+    return pages
+
+
+def file_of(url: str) -> Path:
+    """The file a ``file://`` URL names (its anchor aside)."""
+    parsed = urlparse(url)
+    assert parsed.scheme == "file", url
+    return Path(url2pathname(parsed.path))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with Browser(*DESKTOP) as opened:
+        yield opened
+
+
+NAV_LINKS = """[...document.querySelectorAll("nav.md-nav--primary a.md-nav__link[href]")]
+  .filter(a => !a.getAttribute("href").includes("#"))
+  .map(a => [a.textContent.trim(), a.href])"""
+
+
+def test_every_nav_link_opened_from_the_file_system_shows_its_page(site: Path, browser: Browser) -> None:
+    """Opened from site/index.html over file://, each nav link lands on an HTML file with its
+    page's title, not on a folder (which Chromium shows as a directory listing)."""
+    browser.open((site / "index.html").as_uri())
+    expected = nav_pages()
+    links = browser.evaluate(NAV_LINKS)
+    assert [title for title, _ in links] == [title for title, _ in expected]
+    for (title, url), (_, source) in zip(links, expected, strict=True):
+        browser.open(url)
+        landed = file_of(browser.evaluate("location.href"))
+        assert landed.suffix == ".html" and landed.is_file(), f"{title}: {url} opens {landed}, not a page"
+        assert landed == built_page(site, f"docs/{source}"), title
+        shown = browser.evaluate("document.title")
+        assert shown == (SITE_NAME if source == "index.md" else f"{title} - {SITE_NAME}"), (url, shown)
+
+
+class _Links(HTMLParser):
+    """The links of a page and the ids it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if values.get("id"):
+            self.ids.add(values["id"] or "")
+        if tag in ("a", "link") and values.get("href"):
+            self.links.append(values["href"] or "")
+
+
+def test_every_link_of_the_site_names_a_file_that_exists_and_the_anchor_it_points_to(site: Path) -> None:
+    """Every relative link of every built page (nav, text, API cross-references, stylesheets)
+    names a file, not a folder, and its anchor is an id of that page."""
+    parsed: dict[Path, _Links] = {}
+
+    def links_of(page: Path) -> _Links:
+        if page not in parsed:
+            parsed[page] = _Links()
+            parsed[page].feed(page.read_text())
+        return parsed[page]
+
+    broken, checked = [], 0
+    for page in site_pages(site):
+        for href in links_of(page).links:
+            if re.match(r"^([a-z]+:)?//|^[a-z]+:", href):
+                continue
+            path, _, anchor = href.partition("#")
+            target = (page.parent / unquote(path)).resolve() if path else page
+            checked += 1
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)}: {href} (no such file)")
+            elif anchor and target.suffix == ".html" and unquote(anchor) not in links_of(target).ids:
+                broken.append(f"{page.relative_to(site)}: {href} (no such anchor)")
+    assert broken == []
+    assert checked > 1000
+
+
+def test_search_finds_pages_from_the_file_system(site: Path, browser: Browser) -> None:
+    """Material's search, which fetches its index over HTTP, works from file:// too (the offline
+    plugin: the index as a script, the worker in an iframe)."""
+    browser.open((site / "index.html").as_uri())
+    browser.evaluate(
+        """(() => { const input = document.querySelector("input.md-search__input");
+        input.focus(); input.value = "appendonly"; input.dispatchEvent(new Event("input", {bubbles: true})); })()"""
+    )
+    found = browser.wait_for("""[...document.querySelectorAll(".md-search-result__item a")].map(a => a.href)""")
+    assert found, "search found nothing from file://"
+    pages = [file_of(url) for url in found]
+    assert all(page.suffix == ".html" and page.is_file() for page in pages), pages
+    assert pages[0] == built_page(site, "docs/operations/redis-settings.md"), pages
+
+
+def test_the_diagrams_are_drawn_from_the_file_system(site: Path, browser: Browser) -> None:
+    for source in PAGES_WITH_DIAGRAMS[1:]:
+        browser.open(built_page(site, source).as_uri())
+        # Material swaps each <pre class="mermaid"> for a <div class="mermaid"> holding the drawing
+        # (in a closed shadow root) once mermaid.js has drawn it.
+        drawn = browser.wait_for(
+            """document.querySelector("pre.mermaid") === null &&
+              [...document.querySelectorAll("div.mermaid")].filter(d => d.getBoundingClientRect().height > 100)
+                .length"""
+        )
+        assert drawn == len(diagrams(ROOT / source)), source
+
+
+# -- every page reads on a phone -----------------------------------------------------------------
+
+LAYOUT = """(() => {
+  for (const details of document.querySelectorAll("details")) details.open = true;  // ??? blocks
+  const width = window.innerWidth;
+  const box = e => e.getBoundingClientRect();
+  const meets = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  const covered = [], scrolling = [], miscopied = [], unbuttoned = [];
+  for (const pre of document.querySelectorAll("pre")) {
+    const code = pre.querySelector(":scope > code");
+    if (!code || !pre.checkVisibility()) continue;
+    const name = (pre.id || pre.parentElement.className) + ": " + code.textContent.split("\\n")[0].slice(0, 40);
+    const drawing = pre.closest(".rls-drawing") !== null;  // a table drawn in characters scrolls
+    if (code.scrollWidth > code.clientWidth + 1 && !drawing) scrolling.push(name);
+    // What the copy button copies: the block's innerText while Material marks it copying.
+    code.setAttribute("data-md-copying", "");
+    if (code.innerText.trimEnd() !== code.textContent.trimEnd()) miscopied.push(name);
+    code.removeAttribute("data-md-copying");
+    const button = pre.querySelector(".md-code__nav");  // the copy button on its own background
+    if (!button) { unbuttoned.push(name); continue; }
+    // The words of the first line (it may wrap; spaces left hanging at a wrap show nothing),
+    // against the copy button.
+    const glyphs = [], walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(), ended = false; node && !ended; node = walker.nextNode()) {
+      const end = node.data.indexOf("\\n");
+      ended = end >= 0;
+      for (const word of node.data.slice(0, ended ? end : undefined).matchAll(/\\S+/g)) {
+        const range = document.createRange();
+        range.setStart(node, word.index);
+        range.setEnd(node, word.index + word[0].length);
+        glyphs.push(...range.getClientRects());
+      }
+    }
+    if (glyphs.some(r => meets(r, box(button)))) covered.push(name);
+  }
+  const blocks = document.querySelectorAll("pre > code").length;
+  return {width, scrollWidth: document.documentElement.scrollWidth, blocks, covered, scrolling, miscopied, unbuttoned};
+})()"""
+
+
+def test_only_tables_drawn_in_characters_are_kept_from_wrapping(site: Path) -> None:
+    """docs/hooks.py marks ``rls-drawing`` the code blocks that draw with box-drawing characters
+    (they scroll on a phone rather than wrap), and no other block."""
+    marked, drawn = 0, 0
+    for page in site_pages(site):
+        for block in re.finditer(
+            r'<div class="([^"]*\bhighlight\b[^"]*)"><pre.*?</pre></div>', page.read_text(), re.DOTALL
+        ):
+            draws = re.search("[\u2500-\u257f]", block.group(0)) is not None
+            assert draws == ("rls-drawing" in block.group(1).split()), (page.name, block.group(0)[:200])
+            marked += draws
+            drawn += "rls-drawing" in block.group(1)
+    assert marked >= 1 and marked == drawn
+
+
+def site_pages(site: Path) -> list[Path]:
+    """The pages a reader opens; not 404.html, which a web server serves at any depth, so its
+    links are absolute and it shows unstyled from the file system."""
+    return sorted(page for page in site.rglob("*.html") if page.name != "404.html")
+
+
+def layouts(site: Path, browser: Browser, size: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    """The LAYOUT of every page at a window size (and its screenshot, into RLS_SITE_SHOTS)."""
+    shots = os.environ.get(SHOTS_ENV)
+    browser.resize(*size)
+    found = {}
+    try:
+        for page in site_pages(site):
+            name = page.relative_to(site).as_posix()
+            browser.open(page.as_uri())
+            found[name] = browser.evaluate(LAYOUT)
+            if shots:
+                Path(shots).mkdir(parents=True, exist_ok=True)
+                browser.screenshot(Path(shots) / f"{name.replace('/', '_')[:-5]}-{size[0]}.png")
+    finally:
+        browser.resize(*DESKTOP)
+    return found
+
+
+def blocks_where(found: dict[str, dict[str, Any]], problem: str) -> list[str]:
+    """The code blocks of every page that LAYOUT lists under ``problem``, as ``page: block``."""
+    return [f"{name}: {block}" for name, layout in found.items() for block in layout[problem]]
+
+
+def test_on_a_phone_no_page_scrolls_sideways_no_code_runs_past_its_box_and_no_copy_button_covers_code(
+    site: Path, browser: Browser
+) -> None:
+    """At 390 px: the page is no wider than the screen (a wide table scrolls in its own box),
+    code wraps inside its box, the copy button sits beside the first line, not on it, and it
+    copies the code as written."""
+    found = layouts(site, browser, PHONE)
+    assert sum(layout["blocks"] for layout in found.values()) > 100
+    assert blocks_where(found, "unbuttoned") == []  # every code block was checked
+    assert {layout["width"] for layout in found.values()} == {PHONE[0]}
+    assert [
+        f"{name}: {layout['scrollWidth']} px" for name, layout in found.items() if layout["scrollWidth"] != PHONE[0]
+    ] == []
+    assert blocks_where(found, "covered") == []
+    assert blocks_where(found, "scrolling") == []
+    assert blocks_where(found, "miscopied") == []
+
+
+def test_on_a_desktop_no_copy_button_covers_code_and_it_copies_the_code_as_written(
+    site: Path, browser: Browser
+) -> None:
+    found = layouts(site, browser, DESKTOP)
+    assert blocks_where(found, "unbuttoned") == []
+    assert blocks_where(found, "covered") == []
+    assert blocks_where(found, "miscopied") == []
