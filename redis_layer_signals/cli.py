@@ -350,7 +350,8 @@ def finish_run(summary: Summary, json_path: Path | None) -> None:
     if summary.mode == Mode.REDIS.value and summary.late_tasks:
         out.print(
             f"{summary.late_tasks} requests got their cache task after their first layer-0 signal: "
-            f"{summary.buffered_early} early signals waited in Redis and {summary.recovered} came back on register. "
+            f"{summary.buffered_early} early signals waited in the buffer and {summary.recovered} came back on "
+            "register (the rest: superseded, dropped or expired, in the table). "
             "Before the fix those signals were dropped and the requests hung (compare: --mode drop)."
         )
     if json_path is not None:
