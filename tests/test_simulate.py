@@ -5,7 +5,10 @@ the seeded workload, independently of the run."""
 from __future__ import annotations
 
 import json
+import signal
+import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -14,7 +17,7 @@ from redis_layer_signals.models import CacheTask, FinishResult, RecordResult, Re
 from redis_layer_signals.simulate import Mode, SimConfig, Summary, simulate
 from redis_layer_signals.simulate import runner as sim_runner
 from redis_layer_signals.simulate.channels import REGISTRAR, inbox_key
-from redis_layer_signals.simulate.modes import LocalHandoff
+from redis_layer_signals.simulate.modes import LocalHandoff, RedisHandoff
 from redis_layer_signals.simulate.workload import Request, workload
 from tests.servers import RedisServer
 
@@ -205,3 +208,24 @@ def test_checks_catch_a_buffer_that_hands_a_signal_twice_loses_one_or_leaks_one(
     summary = simulate(config)
     assert not summary.ok
     assert symptom(summary), summary.violations[:8]
+
+
+def test_stray_keys_check_does_not_fail_on_a_stopped_primary_that_never_held_the_rank(cluster: Any) -> None:
+    """The end-of-run check of a node looks for the rank's keys on the one Cluster node that holds
+    its hash tag: a primary stopped mid-run elsewhere (its container stopped) used to fail the
+    check of every rank, though nothing of theirs was on it."""
+    handoff = RedisHandoff(SimConfig(url=cluster.url, namespace=f"stray-{uuid.uuid4().hex[:8]}"))
+    try:
+        handoff.record("p0", 0, 0, [(1, 10)])  # a pending signal: the rank's keys exist
+        keys = handoff.buffer.protocol.keys.rank("p0", 0)
+        owner = cluster.node_for_key(keys.stats)
+        other = next(node for node in cluster.primary_nodes() if node.port != owner.port)
+        assert other.process is not None
+        other.process.send_signal(signal.SIGSTOP)
+        try:
+            stray = handoff.stray_keys("p0", 0)
+        finally:
+            other.process.send_signal(signal.SIGCONT)
+        assert keys.pending in stray, stray
+    finally:
+        handoff.close()

@@ -13,6 +13,7 @@ from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
 from ..ops.admin import signal_fields, slot_fields
 from ..protocol.replies import text
+from ..server.nodes import is_cluster
 from .config import Mode, SimConfig
 
 Slot = tuple[str, int, int]
@@ -76,8 +77,13 @@ class RedisHandoff:
     def stray_keys(self, instance: str, rank: int) -> list[str]:
         client = self.buffer.client
         tag = self.buffer.protocol.keys.rank(instance, rank).tag
+        pattern = f"{KEY_PREFIX}:{tag}:*"
+        # Every key of a rank shares its hash tag: on a Cluster one node holds them all, and only it
+        # is scanned (a primary stopped mid-run, even one that never held this rank, would fail
+        # a scan of every node).
+        where = {"target_nodes": client.get_node_from_key(pattern)} if is_cluster(client) else {}
         stray = []
-        for raw in client.scan_iter(match=f"{KEY_PREFIX}:{tag}:*", count=1000):
+        for raw in client.scan_iter(match=pattern, count=1000, **where):
             key = text(raw)
             # Marks that expire on their own: replies, a writer's last batch, the finishes.
             # PTTL -1: no TTL, left for good; -2: the key expired since SCAN listed it.
