@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
+import types
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+import redis
 
 from redis_layer_signals.errors import InvalidConfig
 from redis_layer_signals.models import CacheTask, FinishResult, RecordResult, RegisterResult
 from redis_layer_signals.simulate import Mode, SimConfig, Summary, simulate
+from redis_layer_signals.simulate import node as sim_node
 from redis_layer_signals.simulate import runner as sim_runner
-from redis_layer_signals.simulate.channels import REGISTRAR, inbox_key
+from redis_layer_signals.simulate.channels import REGISTRAR, LocalChannel, inbox_key
 from redis_layer_signals.simulate.modes import LocalHandoff, RedisHandoff
 from redis_layer_signals.simulate.workload import Request, workload
 from tests.servers import RedisServer
@@ -229,3 +233,33 @@ def test_stray_keys_check_does_not_fail_on_a_stopped_primary_that_never_held_the
         assert keys.pending in stray, stray
     finally:
         handoff.close()
+
+
+def test_a_node_keeps_forwarding_registrations_after_its_inbox_connection_drops() -> None:
+    """The thread that moves registration notices from a rank's Redis inbox to its sender died on
+    the first ConnectionError (the Sentinel primary's container stopped): every later request of
+    the rank waited for its task until the run timed out."""
+    ctx = types.SimpleNamespace(stop=threading.Event(), inbox=LocalChannel())
+    message = {"slot": 1}
+
+    class DroppingChannel:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def put(self, message: dict[str, Any]) -> None:
+            raise AssertionError("forward only reads")
+
+        def get(self, timeout: float) -> dict[str, Any] | None:
+            self.reads += 1
+            if self.reads == 1:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            if self.reads == 2:
+                return message
+            ctx.stop.set()
+            return None
+
+    thread = threading.Thread(target=sim_node.forward, args=(DroppingChannel(), ctx), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert ctx.inbox.get(0) == message
