@@ -12,6 +12,7 @@ failure: containers, networks, volumes, both daemons and their containerd, mount
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -67,6 +68,24 @@ def host_network() -> dict[str, str]:
     }
 
 
+def sweep(data_root: Path) -> None:
+    """What a run that was killed before its teardown left: its daemons (by their data root or
+    an rls-engine exec root on the command line), their mounts, its namespaces, its resolvers."""
+    marks = (str(data_root).encode(), b"/rls-engine-", RESOLVER_IP.encode())
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if any(mark in (entry / "cmdline").read_bytes() for mark in marks):
+                    os.kill(int(entry.name), signal.SIGKILL)
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    for point in sorted((m for m in mounts if m.startswith(str(data_root)) or "/rls-engine-" in m), reverse=True):
+        subprocess.run(["umount", "-l", point], timeout=30, check=False)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=False).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.startswith("rls-engine-")):
+        if not Path(f"/proc/{name.removeprefix('rls-engine-')}").exists():
+            subprocess.run(["ip", "netns", "delete", name], timeout=30, check=False)
+
+
 class Engine:
     """dockerd with its own data root, exec root, pid file and socket; see the module docstring."""
 
@@ -79,6 +98,8 @@ class Engine:
         self.daemon: subprocess.Popen[bytes] | None = None
         self.resolver: subprocess.Popen[bytes] | None = None
         self.in_netns = False
+        # Also when pytest is interrupted before the fixture's teardown.
+        atexit.register(self.close)
 
     @property
     def env(self) -> dict[str, str]:

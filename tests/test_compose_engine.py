@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.compose_local import ROOT
-from tests.engine import COMPOSE, Engine, host_network, missing_binaries
+from tests.engine import COMPOSE, Engine, host_network, missing_binaries, sweep
 from tests.servers import wait_until
 
 # The first test also waits for the images (debootstrap and four builds on a fresh machine).
@@ -56,6 +56,7 @@ def engine() -> Iterator[Engine]:
     missing = missing_binaries()
     if missing:
         pytest.fail(f"make cluster-test needs: {', '.join(missing)} (make cluster-engine installs them as root)")
+    sweep(DATA_ROOT)  # what an earlier run, killed, left
     before = host_network()
     engine = Engine(DATA_ROOT)
     try:

@@ -20,7 +20,7 @@ from redis_layer_signals.models import CacheTask, FinishResult, RecordResult, Re
 from redis_layer_signals.simulate import Mode, SimConfig, Summary, simulate
 from redis_layer_signals.simulate import node as sim_node
 from redis_layer_signals.simulate import runner as sim_runner
-from redis_layer_signals.simulate.channels import REGISTRAR, LocalChannel, inbox_key
+from redis_layer_signals.simulate.channels import REGISTRAR, LocalChannel, RedisChannel, inbox_key
 from redis_layer_signals.simulate.modes import LocalHandoff, RedisHandoff
 from redis_layer_signals.simulate.workload import Request, workload
 from tests.servers import RedisServer
@@ -263,3 +263,43 @@ def test_a_node_keeps_forwarding_registrations_after_its_inbox_connection_drops(
     thread.join(10)
     assert not thread.is_alive()
     assert ctx.inbox.get(0) == message
+
+
+def test_a_node_resends_its_messages_through_a_failover() -> None:
+    """A node's message to the registrar (RPUSH on its inbox) raised on the first connection error
+    while a Cluster primary's container was stopped, and the thread producing the rank's
+    requests died with it."""
+
+    class FailoverClient:
+        """Refuses the first send as a stopped primary does, then takes them."""
+
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.attempts = 0
+
+        def pipeline(self, transaction: bool) -> Any:
+            client = self
+
+            class Pipe:
+                def rpush(self, key: str, data: str) -> None:
+                    self.data = data
+
+                def pexpire(self, key: str, ms: int) -> None:
+                    pass
+
+                def execute(self) -> None:
+                    client.attempts += 1
+                    if client.attempts == 1:
+                        raise redis.exceptions.ConnectionError("Error 111 connecting. Connection refused.")
+                    client.sent.append(self.data)
+
+            return Pipe()
+
+        def blpop(self, keys: list[str], timeout: float) -> Any:
+            raise redis.exceptions.ClusterDownError("The cluster is down")
+
+    client = FailoverClient()
+    channel = RedisChannel(client, "rls:{ns/registrar/0}:sim:inbox")
+    channel.put({"slot": 1})
+    assert [json.loads(data) for data in client.sent] == [{"slot": 1}]
+    assert channel.get(0.01) is None
