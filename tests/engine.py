@@ -69,21 +69,29 @@ def host_network() -> dict[str, str]:
 
 
 def sweep(data_root: Path) -> None:
-    """What a run that was killed before its teardown left: its daemons (by their data root or
-    an rls-engine exec root on the command line), their mounts, its namespaces, its resolvers."""
-    marks = (str(data_root).encode(), b"/rls-engine-", RESOLVER_IP.encode())
+    """What a run on this data root left when it was killed before its teardown: the processes
+    with its data root or its exec root on their command line, their mounts, its namespace."""
+    record = work_record(data_root)
+    if not record.exists():
+        return
+    work, netns = record.read_text().split()
+    marks = (str(data_root).encode(), work.encode(), netns.encode())
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             with contextlib.suppress(OSError):
                 if any(mark in (entry / "cmdline").read_bytes() for mark in marks):
                     os.kill(int(entry.name), signal.SIGKILL)
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-    for point in sorted((m for m in mounts if m.startswith(str(data_root)) or "/rls-engine-" in m), reverse=True):
+    for point in sorted((m for m in mounts if m.startswith((str(data_root), work))), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], timeout=30, check=False)
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=False).stdout
-    for name in (line.split()[0] for line in listed.splitlines() if line.startswith("rls-engine-")):
-        if not Path(f"/proc/{name.removeprefix('rls-engine-')}").exists():
-            subprocess.run(["ip", "netns", "delete", name], timeout=30, check=False)
+    subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=30, check=False)
+    shutil.rmtree(work, ignore_errors=True)
+    record.unlink()
+
+
+def work_record(data_root: Path) -> Path:
+    """Names the exec root and namespace of the run using ``data_root`` until it cleans up."""
+    return data_root.parent / f"{data_root.name}.run"
 
 
 class Engine:
@@ -98,6 +106,8 @@ class Engine:
         self.daemon: subprocess.Popen[bytes] | None = None
         self.resolver: subprocess.Popen[bytes] | None = None
         self.in_netns = False
+        data_root.mkdir(parents=True, exist_ok=True)
+        work_record(data_root).write_text(f"{self.work} {self.netns}\n")
         # Also when pytest is interrupted before the fixture's teardown.
         atexit.register(self.close)
 
@@ -121,7 +131,8 @@ class Engine:
                 timeout=30,
             )
             self.resolver = subprocess.Popen(
-                [*self.nsenter(), sys.executable, "-c", NXDOMAIN_RESPONDER, RESOLVER_IP], start_new_session=True
+                [*self.nsenter(), sys.executable, "-c", NXDOMAIN_RESPONDER, RESOLVER_IP, self.netns],
+                start_new_session=True,
             )
             dns = ["--dns", RESOLVER_IP]
         log = (self.work / ("dockerd-run.log" if netns else "dockerd-build.log")).open("ab")
@@ -204,10 +215,11 @@ class Engine:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.work, ignore_errors=True)
+        work_record(self.data_root).unlink(missing_ok=True)
 
     def processes(self) -> list[int]:
         """Processes still running with this engine's exec root or data root on their command line."""
-        marks = (str(self.work).encode(), str(self.data_root).encode())
+        marks = (str(self.work).encode(), str(self.data_root).encode(), self.netns.encode())
         found = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and int(entry.name) != os.getpid():
