@@ -239,4 +239,4 @@ bench: $(STAMP) servers
 	$(BIN)/python -m redis_layer_signals bench --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(DIST_VENV) $(DOCS_VENV) $(DOCS_NODE) $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DEMO_VENV) $(DIST_VENV) $(DOCS_VENV) $(DOCS_NODE) .cache/compose-engine .cache/compose-engine.run $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
