@@ -303,3 +303,25 @@ def test_a_node_resends_its_messages_through_a_failover() -> None:
     channel.put({"slot": 1})
     assert [json.loads(data) for data in client.sent] == [{"slot": 1}]
     assert channel.get(0.01) is None
+
+
+def test_a_nodes_end_check_reads_through_a_cluster_that_is_down_for_a_failover() -> None:
+    """The end check's own reads (counters, live slots, stray keys) raised "The cluster is down"
+    when a node finished while a stopped primary's replica was still being promoted."""
+    handoff = RedisHandoff(SimConfig(url=f"memory://{uuid.uuid4().hex}", namespace="down"))
+    try:
+        handoff.record("p0", 0, 0, [(1, 10)])
+        client = handoff.buffer.client
+        real_hgetall = client.hgetall
+        calls = {"n": 0}
+
+        def hgetall(key: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise redis.exceptions.ClusterDownError("The cluster is down")
+            return real_hgetall(key)
+
+        client.hgetall = hgetall
+        assert handoff.leftovers("p0", 0) == ([], 1)
+    finally:
+        handoff.close()
