@@ -6,13 +6,15 @@
 #   make test    everything, as CI runs it: root (apt-get, network namespaces), pyenv's 3.10, 3.12
 #                and 3.13; about 20 minutes
 #   make docs    the documentation site into site/, in .venv-docs
+#   make cluster-images  docker-compose.yml's images built from Debian's packages (root, no registry)
+#   make cluster-test    every compose profile up on a Docker engine of its own (root; make test runs it too)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo demo-drop dist check check-servers test lint typecheck pytest pythons servers bench docs docs-check docs-env docs-browser clean
+.PHONY: demo demo-drop dist check check-servers test lint typecheck pytest pythons servers bench docs docs-check docs-env docs-browser clean cluster-engine cluster-images cluster-test
 
 # The other supported Pythons: `make test` runs the behaviour suite on each (see `pythons`).
 PYENV_ROOT ?= $(HOME)/.pyenv
@@ -98,7 +100,7 @@ typecheck: $(STAMP)
 # the topology and fault tests again with Valkey 8.1 as the server every fixture starts.
 VALKEY_AGAIN := tests/test_cluster.py tests/test_sentinel.py tests/test_faults.py
 
-pytest: $(STAMP) servers docs-env docs-browser
+pytest: $(STAMP) servers docs-env docs-browser cluster-engine
 	$(BIN)/pytest
 	RLS_TEST_SERVER=valkey $(BIN)/pytest -q $(VALKEY_AGAIN)
 
@@ -134,6 +136,36 @@ pytest-%: .venv-%/.installed-stamp servers
 pythons: $(addprefix pytest-,$(OTHER_PYTHONS))
 
 test: lint typecheck docs-check pytest pythons
+
+# docker-compose.yml for real (docs/operations/local-cluster.md): Debian's dockerd 20.10 (it runs
+# the file's healthchecks and depends_on as written), its client and docker-compose 1.29, and
+# debootstrap for the images; installed when we are root.
+ENGINE_PACKAGES := docker.io containerd runc docker-compose debootstrap iproute2 util-linux
+cluster-engine:
+	@missing=""; \
+	for tool in /usr/sbin/dockerd /usr/bin/docker /usr/bin/docker-compose /usr/sbin/debootstrap ip nsenter; do \
+	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "missing:$$missing"; \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(ENGINE_PACKAGES) >/dev/null; \
+	  else \
+	    echo "make cluster-test needs root and: sudo apt-get install $(ENGINE_PACKAGES)" >&2; exit 1; \
+	  fi; \
+	fi
+
+# The images into the engine DOCKER_HOST names (yours): deploy/images/build.sh, then
+# `docker-compose --env-file deploy/images/debian.env ...` runs the file with them.
+cluster-images:
+	deploy/images/build.sh
+
+# Its own engine (tests/engine.py), the images built into .cache/compose-engine, every profile up,
+# exercised and torn down; prints each step's time and each profile's figures. `make test` runs
+# the same tests within its pytest run (output captured).
+cluster-test: $(STAMP) cluster-engine
+	$(BIN)/pytest -s -p no:cacheprovider -m engine tests/test_compose_engine.py
 
 # The documentation site (mkdocs.yml, docs/) builds in a small environment of its own: MkDocs,
 # Material, mkdocstrings and the package (docs/hooks.py renders the CLI reference from it),
@@ -194,7 +226,7 @@ docs-check: docs-env
 # package, and runs no other Python and no second Valkey pass; the last lines it prints say so.
 # CHECK_TESTS narrows the run.
 CHECK_BINARIES := redis-server redis-cli redis-sentinel docker-compose openssl localedef chromium
-CHECK_MARKERS := not netns and not prometheus
+CHECK_MARKERS := not netns and not prometheus and not engine
 CHECK_TESTS ?=
 
 check-servers:
@@ -211,6 +243,7 @@ check: check-servers lint typecheck docs-check
 	@echo "make check passed. Left out (make test runs them, as CI does):"
 	@echo "  - the tests marked netns, deselected above: partitions on network namespaces (root, ip, nft)"
 	@echo "  - the tests marked prometheus, deselected above: promtool on deploy/'s rules, prometheus on the compose observability profile"
+	@echo "  - the tests marked engine, deselected above: every compose profile on a Docker engine (make cluster-test, root)"
 	@echo "  - the behaviour suite on Python $(OTHER_PYTHONS) (make pythons, from pyenv)"
 	@echo "  - the topology and fault tests again with Valkey 8.1 as every fixture's server"
 	@echo "  - make servers: the apt-get install as root (valgrind, prometheus, iproute2, nftables, ...)"
@@ -219,4 +252,4 @@ bench: $(STAMP) servers
 	$(BIN)/python -m redis_layer_signals bench --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(DIST_VENV) $(DOCS_VENV) $(DOCS_NODE) $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DEMO_VENV) $(DIST_VENV) $(DOCS_VENV) $(DOCS_NODE) .cache/compose-engine .cache/compose-engine.run $(addprefix .venv-,$(OTHER_PYTHONS)) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis

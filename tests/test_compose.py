@@ -150,9 +150,13 @@ def test_every_image_is_pinned_and_the_rls_services_share_one_built_image(compos
         assert service["build"]["dockerfile"] == "deploy/Dockerfile", name
         # Installed once in the image: nothing installs at start, no source mounted over it.
         assert "entrypoint" not in service and "volumes" not in service, name
+    # The base is a build argument (deploy/images/build.sh passes its own) whose default, the
+    # official image, is pinned too.
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    (base,) = re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE)
+    assert re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE) == ["${PYTHON_IMAGE}"]
+    (base,) = re.findall(r"^ARG PYTHON_IMAGE=(\S+)", dockerfile, re.MULTILINE)
     assert PINNED.match(base), base
+    assert {s["build"]["args"]["PYTHON_IMAGE"] for s in rls.values()} == {base}
 
 
 def test_the_dockerfile_copies_what_the_package_installs_from(tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ def test_readme_is_a_few_screens_that_start_with_an_install_that_works_then_the_
     assert "After the first release: `pip install redis-layer-signals`" in install
     quick_start = text.split("## From a clone", 1)[1].split("##", 1)[0]
     commands = [line.split("#")[0].strip() for line in quick_start.splitlines() if line.startswith("make ")]
-    assert commands == ["make demo", "make check", "make test", "make dist"]
+    assert commands == ["make demo", "make check", "make test", "make dist", "make cluster-test", "make cluster-images"]
     for needed in ("root", "pyenv", "20 minutes", "prints at the end what it left out"):
         assert needed in " ".join(quick_start.split()), needed
     for needed in ("Redis 7.0", "Valkey 7.2", "## Guarantees", "```mermaid"):

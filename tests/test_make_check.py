@@ -106,7 +106,7 @@ def test_make_check_names_what_it_left_out_and_make_test_deselects_nothing() -> 
     check = recipe("check")
     assert check[0] == '$(BIN)/pytest -m "$(CHECK_MARKERS)" $(CHECK_TESTS)'
     said = " ".join(check[1:])
-    for left_out in ("netns", "prometheus", "$(OTHER_PYTHONS)", "Valkey 8.1", "make servers"):
+    for left_out in ("netns", "prometheus", "engine", "$(OTHER_PYTHONS)", "Valkey 8.1", "make servers"):
         assert left_out in said, left_out
     for line in recipe("pytest") + recipe("pytest-%"):
         assert not re.search(r"\s(-m|-k)\s", f" {line} "), line

@@ -5,16 +5,23 @@ the seeded workload, independently of the run."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import types
+import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
+import redis
 
 from redis_layer_signals.errors import InvalidConfig
 from redis_layer_signals.models import CacheTask, FinishResult, RecordResult, RegisterResult
 from redis_layer_signals.simulate import Mode, SimConfig, Summary, simulate
+from redis_layer_signals.simulate import node as sim_node
 from redis_layer_signals.simulate import runner as sim_runner
-from redis_layer_signals.simulate.channels import REGISTRAR, inbox_key
-from redis_layer_signals.simulate.modes import LocalHandoff
+from redis_layer_signals.simulate.channels import REGISTRAR, LocalChannel, RedisChannel, inbox_key
+from redis_layer_signals.simulate.modes import LocalHandoff, RedisHandoff
 from redis_layer_signals.simulate.workload import Request, workload
 from tests.servers import RedisServer
 
@@ -252,3 +259,116 @@ def test_the_demo_table_names_the_redis_url_it_ran_on_without_its_password() -> 
     assert f"run on redis://:***@127.0.0.1:{server.port}/0" in header and "embedded" not in header, header
     assert "s3cret" not in done.stdout + done.stderr
     assert "2 processes" in header  # a rank and the registrar, each its own process
+
+
+def test_stray_keys_check_does_not_fail_on_a_stopped_primary_that_never_held_the_rank(cluster: Any) -> None:
+    """The end-of-run check of a node looks for the rank's keys on the one Cluster node that holds
+    its hash tag: a primary stopped mid-run elsewhere (its container stopped) used to fail the
+    check of every rank, though nothing of theirs was on it."""
+    handoff = RedisHandoff(SimConfig(url=cluster.url, namespace=f"stray-{uuid.uuid4().hex[:8]}"))
+    try:
+        handoff.record("p0", 0, 0, [(1, 10)])  # a pending signal: the rank's keys exist
+        keys = handoff.buffer.protocol.keys.rank("p0", 0)
+        owner = cluster.node_for_key(keys.stats)
+        other = next(node for node in cluster.primary_nodes() if node.port != owner.port)
+        assert other.process is not None
+        other.process.send_signal(signal.SIGSTOP)
+        try:
+            stray = handoff.stray_keys("p0", 0)
+        finally:
+            other.process.send_signal(signal.SIGCONT)
+        assert keys.pending in stray, stray
+    finally:
+        handoff.close()
+
+
+def test_a_node_keeps_forwarding_registrations_after_its_inbox_connection_drops() -> None:
+    """The thread that moves registration notices from a rank's Redis inbox to its sender died on
+    the first ConnectionError (the Sentinel primary's container stopped): every later request of
+    the rank waited for its task until the run timed out."""
+    ctx = types.SimpleNamespace(stop=threading.Event(), inbox=LocalChannel())
+    message = {"slot": 1}
+
+    class DroppingChannel:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def put(self, message: dict[str, Any]) -> None:
+            raise AssertionError("forward only reads")
+
+        def get(self, timeout: float) -> dict[str, Any] | None:
+            self.reads += 1
+            if self.reads == 1:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            if self.reads == 2:
+                return message
+            ctx.stop.set()
+            return None
+
+    thread = threading.Thread(target=sim_node.forward, args=(DroppingChannel(), ctx), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert ctx.inbox.get(0) == message
+
+
+def test_a_node_resends_its_messages_through_a_failover() -> None:
+    """A node's message to the registrar (RPUSH on its inbox) raised on the first connection error
+    while a Cluster primary's container was stopped, and the thread producing the rank's
+    requests died with it."""
+
+    class FailoverClient:
+        """Refuses the first send as a stopped primary does, then takes them."""
+
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.attempts = 0
+
+        def pipeline(self, transaction: bool) -> Any:
+            client = self
+
+            class Pipe:
+                def rpush(self, key: str, data: str) -> None:
+                    self.data = data
+
+                def pexpire(self, key: str, ms: int) -> None:
+                    pass
+
+                def execute(self) -> None:
+                    client.attempts += 1
+                    if client.attempts == 1:
+                        raise redis.exceptions.ConnectionError("Error 111 connecting. Connection refused.")
+                    client.sent.append(self.data)
+
+            return Pipe()
+
+        def blpop(self, keys: list[str], timeout: float) -> Any:
+            raise redis.exceptions.ClusterDownError("The cluster is down")
+
+    client = FailoverClient()
+    channel = RedisChannel(client, "rls:{ns/registrar/0}:sim:inbox")
+    channel.put({"slot": 1})
+    assert [json.loads(data) for data in client.sent] == [{"slot": 1}]
+    assert channel.get(0.01) is None
+
+
+def test_a_nodes_end_check_reads_through_a_cluster_that_is_down_for_a_failover() -> None:
+    """The end check's own reads (counters, live slots, stray keys) raised "The cluster is down"
+    when a node finished while a stopped primary's replica was still being promoted."""
+    handoff = RedisHandoff(SimConfig(url=f"memory://{uuid.uuid4().hex}", namespace="down"))
+    try:
+        handoff.record("p0", 0, 0, [(1, 10)])
+        client = handoff.buffer.client
+        real_hgetall = client.hgetall
+        calls = {"n": 0}
+
+        def hgetall(key: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise redis.exceptions.ClusterDownError("The cluster is down")
+            return real_hgetall(key)
+
+        client.hgetall = hgetall
+        assert handoff.leftovers("p0", 0) == ([], 1)
+    finally:
+        handoff.close()

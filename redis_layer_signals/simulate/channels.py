@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from typing import Any, Protocol
+
+from redis.exceptions import ClusterDownError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..constants import KEY_PREFIX
 from ..protocol.keys import KeySpace
 
 CHANNEL_TTL_MS = 3_600_000
 """A list nobody reads (a crashed registrar) disappears after an hour."""
+FAILOVER_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
+"""What a stopped primary gives until its replica takes over (Sentinel or Cluster failover)."""
+RESEND_S = 60.0
+"""How long a message is resent through a failover before the error is raised."""
+PAUSE_S = 0.2
 REGISTRAR = ("registrar", 0)
 """The (instance, rank) whose hash tag holds the registrar's inbox."""
 
@@ -59,13 +69,28 @@ class RedisChannel:
         self.key = key
 
     def put(self, message: Message) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.rpush(self.key, json.dumps(message, separators=(",", ":")))
-        pipe.pexpire(self.key, CHANNEL_TTL_MS)
-        pipe.execute()
+        """Sends, resending through a failover for up to RESEND_S."""
+        data = json.dumps(message, separators=(",", ":"))
+        deadline = time.monotonic() + RESEND_S
+        while True:
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.rpush(self.key, data)
+                pipe.pexpire(self.key, CHANNEL_TTL_MS)
+                pipe.execute()
+                return
+            except FAILOVER_ERRORS:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(PAUSE_S)
 
     def get(self, timeout: float) -> Message | None:
-        reply = self.client.blpop([self.key], timeout=max(0.01, timeout))
+        """The next message, or None after ``timeout`` or while a failover is under way."""
+        try:
+            reply = self.client.blpop([self.key], timeout=max(0.01, timeout))
+        except FAILOVER_ERRORS:
+            time.sleep(PAUSE_S)
+            return None
         if reply is None:
             return None
         data: Message = json.loads(reply[1])

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from ..buffer.sync import SignalBuffer
 from ..constants import KEY_PREFIX
 from ..models import CacheTask, DropReason, FinishResult, LayerSignal, RecordResult, RegisterResult
 from ..ops.admin import signal_fields, slot_fields
 from ..protocol.replies import text
+from ..server.nodes import is_cluster
+from .channels import FAILOVER_ERRORS, PAUSE_S, RESEND_S
 from .config import Mode, SimConfig
+
+T = TypeVar("T")
 
 Slot = tuple[str, int, int]
 
@@ -46,6 +50,20 @@ class Handoff(Protocol):
     def close(self) -> None: ...
 
 
+def through_failover(call: Callable[..., T], *args: Any) -> T:
+    """A check's read (not the library's calls, which resend on their own), tried again while a
+    failover is under way: a Cluster answers CLUSTERDOWN until a replica took the stopped
+    primary's slots."""
+    deadline = time.monotonic() + RESEND_S
+    while True:
+        try:
+            return call(*args)
+        except FAILOVER_ERRORS:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(PAUSE_S)
+
+
 class RedisHandoff:
     def __init__(self, config: SimConfig) -> None:
         self.buffer = SignalBuffer.from_url(config.url, namespace=config.namespace)
@@ -63,21 +81,29 @@ class RedisHandoff:
         """Redis already knows: the registration was written there."""
 
     def counters(self, instance: str, rank: int) -> dict[str, int]:
-        raw = self.buffer.client.hgetall(self.buffer.protocol.keys.rank(instance, rank).stats)
+        raw = through_failover(self.buffer.client.hgetall, self.buffer.protocol.keys.rank(instance, rank).stats)
         return {text(k): int(v) for k, v in raw.items()}
 
     def leftovers(self, instance: str, rank: int) -> tuple[list[int], int]:
         keys = self.buffer.protocol.keys.rank(instance, rank)
         client = self.buffer.client
-        live = sorted(slot for slot, _holder in slot_fields(client.hgetall(keys.live)))
-        pending = len(signal_fields(client.hgetall(keys.pending)))
+        live = sorted(slot for slot, _holder in slot_fields(through_failover(client.hgetall, keys.live)))
+        pending = len(signal_fields(through_failover(client.hgetall, keys.pending)))
         return live, pending
 
     def stray_keys(self, instance: str, rank: int) -> list[str]:
+        return through_failover(self._stray_keys, instance, rank)
+
+    def _stray_keys(self, instance: str, rank: int) -> list[str]:
         client = self.buffer.client
         tag = self.buffer.protocol.keys.rank(instance, rank).tag
+        pattern = f"{KEY_PREFIX}:{tag}:*"
+        # Every key of a rank shares its hash tag: on a Cluster one node holds them all, and only it
+        # is scanned (a primary stopped mid-run, even one that never held this rank, would fail
+        # a scan of every node).
+        where = {"target_nodes": client.get_node_from_key(pattern)} if is_cluster(client) else {}
         stray = []
-        for raw in client.scan_iter(match=f"{KEY_PREFIX}:{tag}:*", count=1000):
+        for raw in client.scan_iter(match=pattern, count=1000, **where):
             key = text(raw)
             # Marks that expire on their own: replies, a writer's last batch, the finishes.
             # PTTL -1: no TTL, left for good; -2: the key expired since SCAN listed it.

@@ -8,6 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from .channels import Channel, LocalChannel, RedisChannel, inbox_key
 from .config import SimConfig
 from .modes import Handoff
@@ -18,6 +21,8 @@ from .sender import Sender
 from .workload import workload
 
 JOIN_GRACE_S = 5.0
+FORWARD_RETRY_S = 0.2
+"""Pause before reading a rank's inbox again after its connection was lost."""
 
 
 def run_ranks(
@@ -66,9 +71,15 @@ def run_ranks(
 
 
 def forward(channel: Channel, ctx: RankContext) -> None:
-    """Move registration notices from the rank's Redis inbox to its sender."""
+    """Move registration notices from the rank's Redis inbox to its sender. A connection lost
+    while it waits (the primary stopped, a failover under way) is waited out: the next read
+    reconnects, to the new primary once there is one."""
     while not ctx.stop.is_set():
-        message = channel.get(0.1)
+        try:
+            message = channel.get(0.1)
+        except (RedisConnectionError, RedisTimeoutError):
+            ctx.stop.wait(FORWARD_RETRY_S)
+            continue
         if message is not None:
             ctx.inbox.put(message)
 
