@@ -30,9 +30,10 @@
 --   ended    hash    "<slot>" -> "<finished at ms>|<request id>": the slot's latest finish
 --                    (finish.lua writes it, a replayed record reads it)
 --   writer   string  "<batch>|<reply>": the last batch one bridge process applied (apply.lua)
---   identity string  "<token>|<host>|<pid>|<pid namespace>|<claimed at ms>|<lease until ms>|<generation>":
---                    the claim of the bridge process that owns the rank (claim.lua); kept past
---                    its lease, so that the next owner learns whom it replaced
+--   identity string  "<token>|<host>|<pid>|<pid namespace>|<claimed at ms>|<lease until ms>|
+--                    <generation>": the claim of the bridge process that owns the rank
+--                    (claim.lua); kept past its lease, so that the next owner learns whom it
+--                    replaced
 --   clash    string  "<token>|<host>|<pid>|<pid namespace>|<at ms>|<write or claim>": the last
 --                    process refused by the fence (see owner_fence), for the owner to log
 --

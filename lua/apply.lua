@@ -29,11 +29,12 @@
 --
 -- Reply: "fenced|<now ms>|<the identity's claim>" when another process claimed the rank after
 -- the writer did (owner_fence): nothing of the batch was written, the refusal is counted
--- ("ownership_fenced") and noted for the owner. Else "ok|<now ms>|<overridden>,<tasks>,<pending>": overridden, the slots whose holder in
--- Redis was not the one the process last wrote there (a restart, a failover, a holder left by
--- a dead process), each also counted under "overridden"; then the tasks and the pending
--- signals the rank holds after this call, which the process compares with what it believes
--- Redis holds (a restart that lost slots this call did not list shows there).
+-- ("ownership_fenced") and noted for the owner. Else "ok|<now ms>|<overridden>,<tasks>,<pending>":
+-- overridden, the slots whose holder in Redis was not the one the process last wrote there (a
+-- restart, a failover, a holder left by a dead process), each also counted under "overridden";
+-- then the tasks and the pending signals the rank holds after this call, which the process
+-- compares with what it believes Redis holds (a restart that lost slots this call did not list
+-- shows there).
 --
 -- Guarantees: the process is the judge and Redis its copy, so each listed slot ends exactly as
 -- the process holds it: its task (or none) and its pending signal (or none), with the times the

@@ -1,8 +1,9 @@
 -- claim.lua: FCALL rls_v2_claim_<digest>, one FastDeploy bridge process claims, renews or gives
 -- up the identity (instance, rank) whose state it writes: one identity, one owner.
 --
--- keys[1] identity string  "<token>|<host>|<pid>|<pid namespace>|<claimed at ms>|<lease until ms>|<generation>":
---                          the process that owns the rank, its lease, and its claim's generation
+-- keys[1] identity string  "<token>|<host>|<pid>|<pid namespace>|<claimed at ms>|
+--                          <lease until ms>|<generation>": the process that owns the rank, its
+--                          lease, and its claim's generation
 -- keys[2] stats    hash    counters (no TTL)
 -- keys[3] clash    string  the last process the fence refused (see owner_fence in _lib.lua)
 -- args[1] action: "claim" (claim, or renew a claim of the same token) or "release"
@@ -37,7 +38,6 @@ local function claim(keys, args)
   local holder, since, lease_until, generation
   if held then
     holder, since, lease_until, generation = string.match(held, '^([^|]*)|.*|(%d+)|(%d+)|(%d+)$')
-    holder = holder or string.match(held, '^([^|]*)') -- another layout: replaced once it lapses
   end
 
   if action == 'release' then

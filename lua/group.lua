@@ -34,9 +34,10 @@
 -- A member writes only under its rank's claim: one whose claim is older than the one the member
 -- last wrote under is refused (owner_fence), so a process that lost its rank to another
 -- changes nothing of the group. Sequence numbers restart at 0 with the processes: a member
--- whose stored token differs from the one it sends (a newer claim) started again, and every key of the group is reset (all ranks of an instance
--- start together, long before any of them gives up on an entry). Every key carries the TTL of
--- args[6], refreshed by each call. Work is bounded by nranks and the sequence numbers sent.
+-- whose stored token differs from the one it sends (a newer claim) started again, and every key
+-- of the group is reset (all ranks of an instance start together, long before any of them gives
+-- up on an entry). Every key carries the TTL of args[6], refreshed by each call. Work is bounded
+-- by nranks and the sequence numbers sent.
 
 local function group(keys, args)
   local members_key, votes_key, outcomes_key = keys[1], keys[2], keys[3]
