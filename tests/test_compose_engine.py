@@ -200,6 +200,14 @@ def test_cluster_profile_forms_3_plus_3_and_a_stopped_primary_loses_nothing(
     timed("6 nodes healthy, cluster-create done, registrar up", started)
     created = engine.docker("inspect", "-f", "{{.State.ExitCode}}", compose.container("cluster-create"))
     assert created.stdout.strip() == "0"
+    # cluster-create returns once the slots are served; a replica's role may reach the node asked
+    # a gossip round later, so the roles are read until they show 3+3 (or the wait says what not).
+    wait_until(
+        lambda: tuple(map(len, cluster_roles(compose, "cluster-redis-1"))) == (3, 3),
+        timeout=30,
+        interval=0.5,
+        what="cluster-redis-1 to see 3 primaries and 3 replicas",
+    )
     primaries, replicas = cluster_roles(compose, "cluster-redis-1")
     say(f"cluster formed: {len(primaries)} primaries, {len(replicas)} replicas")
     assert (len(primaries), len(replicas)) == (3, 3)
