@@ -41,6 +41,7 @@ from ..constants import MAX_INT
 from ..errors import InvalidConfig, InvalidSignal, InvalidTask
 from ..models import CacheTask, FinishResult
 from ..server import eviction
+from .agreement import Member
 from .cache_info import META_DEST_BLOCKS, META_PASSTHROUGH, META_SRC_BLOCKS, block_ids
 from .cache_info import cache_task as _cache_task
 from .context import (
@@ -52,7 +53,6 @@ from .context import (
     RankContext,
     ReadySource,
 )
-from .group import GroupQueue
 from .health import BridgeHealth
 from .identity import DEFAULT_LEASE_S, IdentityClaim, lease_seconds
 from .local import LocalState
@@ -205,7 +205,7 @@ class Layer0Bridge:
         return self._layout.identity if isinstance(self._layout, OwnedLayout) else None
 
     @property
-    def group(self) -> GroupQueue | None:
+    def group(self) -> Member | None:
         """A tensor-parallel rank's layer-0 entries in the group's order; None otherwise."""
         return self._layout.group if isinstance(self._layout, OwnedLayout) else None
 

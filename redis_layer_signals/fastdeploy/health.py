@@ -56,12 +56,27 @@ class BridgeHealth:
     """Age of the oldest decision Redis does not hold yet (0 when caught up): how far behind
     what ``rls inspect`` and the exporter read from Redis is."""
     group_waiting: int = 0
-    """A tensor-parallel rank (``nranks > 1``): layer-0 entries not released yet, each waiting
-    for its task's registration or for the entries before it (0 for a rank of its own)."""
-    group_voting: int = 0
-    """Entries this rank gave up on, waiting for the group's outcome in Redis."""
-    group_unreachable: bool = False
-    """The group's last call to Redis failed: releases go on, a give-up waits until it answers."""
+    """A tensor-parallel rank (``nranks > 1``): layer-0 entries waiting for their task on this
+    rank (0 for a rank of its own)."""
+    group_reported: int = 0
+    """Entries this rank reported ready that the group has not released yet (another rank's
+    task is not registered yet)."""
+    group_generation: int = 0
+    """The group's sequencer generation this rank joined (0: none yet): it grows when the
+    sequencer's process is gone and another rank's takes over."""
+    group_sequencer: bool = False
+    """This process sequences its group."""
+    group_connected: bool = False
+    """This rank is connected to its group's sequencer."""
+    group_problem: str = ""
+    """Why the group cannot agree, while it cannot: another process holds the rank, the ranks
+    disagree on ``nranks``, a live rank did not join (also logged at ERROR)."""
+    group_events: Mapping[str, int] = field(default_factory=dict)
+    """Recoveries and refusals seen: ``generation`` (a new sequencer), ``restart`` (a rank
+    restarted), ``reset``, ``refused``, ``duplicate``, ``nranks``, ``absent``, ``bug``."""
+    group_outcomes: Mapping[str, int] = field(default_factory=dict)
+    """Entries the group queued (``released``) or dropped here, by why (``lost``, ``abandoned``,
+    ``expired`` or a drop reason)."""
     evicting: Mapping[str, str] = field(default_factory=dict)
     """The servers the buffer found with a ``maxmemory-policy`` that may evict (server: policy):
     empty on a ``noeviction`` server. Eviction deletes what the bridge wrote without an error."""
@@ -124,8 +139,26 @@ class _BridgeCollector(TrackedCollector[Tracked]):
         waiting = GaugeMetricFamily(
             "rls_bridge_group_waiting", "Tensor-parallel rank: layer-0 entries not released yet", labels=LABELS
         )
-        voting = GaugeMetricFamily(
-            "rls_bridge_group_voting", "Tensor-parallel rank: entries given up on, awaiting the group", labels=LABELS
+        reported = GaugeMetricFamily(
+            "rls_bridge_group_reported",
+            "Tensor-parallel rank: entries reported ready, awaiting the other ranks",
+            labels=LABELS,
+        )
+        generation = GaugeMetricFamily(
+            "rls_bridge_group_generation", "Tensor-parallel rank: the sequencer generation joined", labels=LABELS
+        )
+        problem = GaugeMetricFamily(
+            "rls_bridge_group_problem", "Tensor-parallel rank: 1 while its group cannot agree (logged)", labels=LABELS
+        )
+        events = CounterMetricFamily(
+            "rls_bridge_group_events",
+            "Tensor-parallel rank: recoveries and refusals (new sequencer, rank restart, nranks mismatch, ...)",
+            labels=[*LABELS, "event"],
+        )
+        outcomes = CounterMetricFamily(
+            "rls_bridge_group_entries",
+            "Tensor-parallel rank: layer-0 entries the group released or dropped, by outcome",
+            labels=[*LABELS, "outcome"],
         )
         errors = CounterMetricFamily(
             "rls_bridge_errors", "Hook calls that failed on the way (never raised)", labels=[*LABELS, "operation"]
@@ -149,7 +182,13 @@ class _BridgeCollector(TrackedCollector[Tracked]):
             unwritten.add_metric(labels, health.unwritten)
             lag.add_metric(labels, health.lag_seconds)
             waiting.add_metric(labels, health.group_waiting)
-            voting.add_metric(labels, health.group_voting)
+            reported.add_metric(labels, health.group_reported)
+            generation.add_metric(labels, health.group_generation)
+            problem.add_metric(labels, int(bool(health.group_problem)))
+            for event, n in health.group_events.items():
+                events.add_metric([*labels, event], n)
+            for outcome, n in health.group_outcomes.items():
+                outcomes.add_metric([*labels, outcome], n)
             identity.add_metric(labels, int(health.identity == "held"))
             refusals.add_metric(labels, health.identity_refusals)
             for operation in OPERATIONS:
@@ -165,7 +204,11 @@ class _BridgeCollector(TrackedCollector[Tracked]):
             unwritten,
             lag,
             waiting,
-            voting,
+            reported,
+            generation,
+            problem,
+            events,
+            outcomes,
             errors,
             identity,
             refusals,

@@ -5,12 +5,14 @@ its rank. Every hook call is decided in the process (``owner.OwnedRank``), with 
 of FastDeploy's own fix, and never waits for Redis; a background writer claims the rank's
 identity, adopts what a predecessor left, then copies the decisions to Redis in one call per
 batch (``rls_v2_apply``), so Redis, ``rls inspect`` and the counters follow, behind by the
-writer's lag. With ``nranks > 1`` the layer-0 entries are released in the tensor-parallel
-group's order (``group``, ``voting``).
+writer's lag. With ``nranks > 1`` the layer-0 entries are queued in the order the
+tensor-parallel group agrees on (``agreement``, carried by ``group_link``); Redis still holds
+each early signal and counts it, as for a rank of its own.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Mapping
@@ -20,8 +22,9 @@ from ..errors import IdentityTaken, OwnershipLost
 from ..models import CacheTask, FinishResult
 from ..protocol.calls import Claim, new_token
 from ..protocol.replies import text
+from .agreement import Member, Progress
 from .context import STATS_DEGRADED_MS, STATS_RECONCILED, STATS_SERVED_LOCALLY, Batch, RankContext
-from .group import GroupQueue, Progress
+from .group_link import GroupLink
 from .identity import (
     LAPSED,
     TAKEN,
@@ -34,12 +37,23 @@ from .identity import (
 )
 from .owner import OwnedRank
 from .signals import SIGNAL_LAYER
-from .voting import GroupVoter
 
 NO_CLAIM = Claim("", 0, "")
 """What a batch carries when the writer holds no claim (never sent: the claim is checked first)."""
 OFFSET_MAX_ROUND_TRIP_S = 1.0
 """A reply that took longer (resent after errors) says too little about the clocks' offset."""
+
+_WHY = {
+    "lost": "a rank of the group restarted while its request was in flight",
+    "abandoned": "not every rank of the group had its task in time",
+    "expired": "its task never registered within pending_ttl_s",
+}
+"""The words a dropped group entry is logged with (else the drop reason's value)."""
+
+
+def _always() -> bool:
+    return True
+
 
 _FINISHED = {
     (removed, dropped, fenced): FinishResult(removed=removed, dropped=dropped, fenced=fenced)
@@ -83,29 +97,36 @@ class OwnedLayout:
         self._adopted = False
         """The writer claimed the identity and adopted what a predecessor left: until then the
         hooks decide in the process, as they always do, and nothing is written."""
-        self.group: GroupQueue | None = None
-        """The layer-0 entries of a tensor-parallel rank (``nranks > 1``), released in the
-        group's order (see ``group``); None for a rank of its own."""
-        self._voter: GroupVoter | None = None
+        self.group: Member | None = None
+        """A tensor-parallel rank's side of its group (``nranks > 1``): what it queues is what
+        the group agreed on (see ``agreement``); None for a rank of its own."""
+        self._link: GroupLink | None = None
+        self.group_outcomes: collections.Counter[str] = collections.Counter()
+        """Entries the group queued (``released``) or dropped, by why (see ``settle_group``)."""
         if nranks > 1:
-            self.group = GroupQueue(give_up_s=buffer.config.pending_ttl_s)
-            self._voter = GroupVoter(ctx, self.settle_group, self.group, nranks, ctx.probe_s, self.identity)
+            self.group = Member(give_up_ms=ctx.pending_ttl_ms)
+            namespace = buffer.protocol.keys.namespace
+            self._link = GroupLink(ctx, self.group, nranks, self._writer_token, namespace, self.settle_group)
         self._writer = threading.Thread(target=self._write_loop, name="rls-writer", daemon=True)
         self._writer.start()
-        if self._voter is not None:
-            self._voter.start()
+        if self._link is not None:
+            self._link.start()
 
     # -- the hooks' decisions ----------------------------------------------------------------
 
     def record(self, pairs: Any, request_ids: Mapping[int, str] | None) -> Batch:
         ctx = self.ctx
         with ctx.lock:
-            if self.group is not None:
-                first = self.group.next_seq
-                progress = self.group.arrive(pairs, request_ids, time.monotonic())
+            now_ms = ctx.mono_ms()
+            queued, suppressed = self.owned.record(pairs, request_ids, now_ms)
+            if self.group is not None and self._link is not None:
+                # Redis holds and counts the early signals as for a rank of its own; what is
+                # queued is the group's to decide.
+                progress = self.group.arrive(pairs, request_ids, now_ms)
+                self._link.post(progress)
+                self.settle_group(progress)
                 self._decided("on_kv_signal")
-                return self.settle_group(progress, first, len(pairs))
-            queued, suppressed = self.owned.record(pairs, request_ids, ctx.mono_ms())
+                return []
             if queued:
                 ctx.ready.put(queued)
             ctx.suppressed += suppressed
@@ -117,12 +138,18 @@ class OwnedLayout:
         with ctx.lock:
             # An early signal Redis holds is handed out only while the claim surely holds (see
             # ``identity``): past it, another owner may have adopted the signal.
-            taken_from, tokens, reason = self.owned.register(task, ctx.mono_ms(), self.identity.holds)
+            # A tensor-parallel rank never hands out a signal Redis holds on its own (the group
+            # does, once every rank has it), so it has nothing to hold back.
+            usable = self.identity.holds if self.group is None else _always
+            taken_from, tokens, reason = self.owned.register(task, ctx.mono_ms(), usable)
             self._decided("on_cache_task")
             if taken_from is not None:
                 ctx.log_takeover(task, taken_from)
-            if self.group is not None:  # its early signals wait in the group's queue
-                return self.settle_group(self.group.registered(task), self.group.next_seq)
+            if self.group is not None and self._link is not None:
+                progress = self.group.registered(task)
+                self._link.post(progress)
+                self.settle_group(progress)
+                return []
             if tokens is None:
                 return []
             if reason is not None:
@@ -147,34 +174,28 @@ class OwnedLayout:
             ctx.logger.info("finish of %s on slot %d fenced: another request holds it", request_id, slot)
         return _FINISHED[outcome]
 
-    def settle_group(self, progress: Progress, first_new: int, arrived: int = 0) -> Batch:
-        """Under the lock, for a tensor-parallel rank: queue each released entry as its own
-        batch, in order, log the dropped ones, and count both for Redis (see
-        ``Progress.counts``). Returns the released entries (already queued)."""
+    def settle_group(self, progress: Progress) -> None:
+        """Under the lock, for a tensor-parallel rank: queue each entry the group released as
+        its own batch, in the group's order, and log the ones dropped (the group's counts are
+        ``group_outcomes``; Redis counts the early signals as for a rank of its own)."""
         ctx = self.ctx
-        released: Batch = []
+        outcomes = self.group_outcomes
         for entry in progress.released:
-            batch = [(entry.slot, entry.tokens)]
-            ctx.ready.put(batch)
-            released.extend(batch)
-        for entry, reason in progress.dropped:
-            ctx.logger.warning(
-                "%s/%d: dropped layer-0 entry %d (slot %d, %d tokens): %s",
+            ctx.ready.put([(entry.slot, entry.tokens)])
+        if progress.released:
+            outcomes["released"] += len(progress.released)
+        for entry, why in progress.dropped:
+            outcomes[why] += 1
+            log = ctx.logger.error if why == "lost" else ctx.logger.warning
+            log(
+                "%s/%d: dropped layer-0 entry (slot %d, %d tokens, request %s): %s",
                 ctx.instance,
                 ctx.rank,
-                entry.seq,
                 entry.slot,
                 entry.tokens,
-                reason.value,
+                entry.key[0] if entry.key else entry.request_id or "?",
+                _WHY.get(why, why),
             )
-        counts = progress.counts(first_new, arrived)
-        if counts:
-            self.owned.count(counts)
-            if self._pending_since is None:  # a decision of the group thread: wake the writer
-                self._pending_since = time.monotonic()
-                if self._writer_waits:
-                    ctx.wake.notify_all()
-        return released
 
     def _decided(self, operation: str) -> None:
         """Under the lock: a hook decided; wake the writer with the first decision it has not
@@ -200,10 +221,16 @@ class OwnedLayout:
             "identity_holder": self._refusal.holder if self._refusal is not None else "",
             "identity_refusals": self._refusals,
         }
-        if self.group is not None and self._voter is not None:
-            fields["group_waiting"] = self.group.waiting()
-            fields["group_voting"] = len(self.group.voting())
-            fields["group_unreachable"] = self._voter.unreachable
+        if self.group is not None and self._link is not None:
+            state = self._link.state
+            fields["group_waiting"] = len(self.group.waiting)
+            fields["group_reported"] = len(self.group.reported)
+            fields["group_generation"] = state.generation
+            fields["group_sequencer"] = state.sequencer
+            fields["group_connected"] = state.connected
+            fields["group_problem"] = state.problem
+            fields["group_events"] = dict(state.events)
+            fields["group_outcomes"] = dict(self.group_outcomes)
         return fields
 
     def _unwritten(self) -> int:
@@ -261,6 +288,8 @@ class OwnedLayout:
         with ctx.wake:
             ctx.wake.notify_all()
         self._writer.join(5)
+        if self._link is not None:
+            self._link.join(5)
         stopped = not self._writer.is_alive()
         if stopped and self._claim == "held" and ctx.degraded_since is None:
             release_quietly(self.identity)
@@ -304,7 +333,7 @@ class OwnedLayout:
         with ctx.lock:
             ctx.anchor(now, sent, received)
             late = self.owned.adopt(pending, holders, ctx.mono_ms(), ctx.to_mono, keep_early=self.group is None)
-            if late:
+            if late and self.group is None:
                 ctx.ready.put(late)
             self._settle_held_back()
             if self.owned.unwritten() and self._pending_since is None:
