@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Sequence
+import copy
+import json
 from dataclasses import dataclass, replace
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 Entry = tuple[int, int]
 """(slot, tokens): one entry of a layer-0 message."""
@@ -138,9 +140,16 @@ def check_state(workload: Workload, queues: Sequence[tuple[Batch, ...]]) -> str 
     return None
 
 
-def check_final(workload: Workload, queues: Sequence[tuple[Batch, ...]]) -> str | None:
-    """**served**, in a state where nothing is left to happen."""
-    owed = workload.owed()
+def check_final(
+    workload: Workload, queues: Sequence[tuple[Batch, ...]], exempt: frozenset[int] = frozenset()
+) -> str | None:
+    """**served**, in a state where nothing is left to happen: every rank queued as many
+    batches, and every registered request's last entry (but the ``exempt`` slots': requests
+    in flight when a rank restarted)."""
+    lengths = {len(queue) for queue in queues}
+    if len(lengths) > 1:
+        return f"served: the ranks queued {[len(q) for q in queues]} batches: a barrier waits forever"
+    owed = {slot: position for slot, position in workload.owed().items() if slot not in exempt}
     for rank, queue in enumerate(queues):
         queued = {position for batch in queue for position in batch}
         for slot, position in sorted(owed.items()):
@@ -171,7 +180,8 @@ def explore(rule: Rule[S], workload: Workload, nranks: int, limit: int = 2_000_0
         if broken is None:
             steps = list(rule.moves(workload, state))
             if not steps:
-                broken = check_final(workload, queues)
+                exempt = rule.exempt(workload, state) if isinstance(rule, Implemented) else frozenset()
+                broken = check_final(workload, queues, exempt)
         if broken is not None:
             return Verdict(rule.name, len(parent), broken, trace(state))
         for label, following in steps:
@@ -513,3 +523,297 @@ T = TypeVar("T")
 
 def _put(items: tuple[T, ...], index: int, item: T) -> tuple[T, ...]:
     return (*items[:index], item, *items[index + 1 :])
+
+
+# -- the implementation, held to the model --------------------------------------------------------
+
+
+class Implemented:
+    """The group's real code (``redis_layer_signals.fastdeploy.agreement``: ``Member`` and
+    ``Sequencer``) run as a rule: every move calls the classes the bridge runs, and the channels
+    between them behave as ``group_link``'s (one FIFO line per rank; a rank's reports before the
+    sequencer's welcome go with its join, and once welcomed it says everything it holds again).
+
+    ``crashes``: the sequencer may die that many times, anywhere (a new generation gathers every
+    rank's join). ``restarts``: a rank's process may restart that many times, anywhere: the new
+    process reads the streams on from where they are, and ``served`` then owes only the requests
+    registered on every rank after every rank heard of the restart (the others were in flight:
+    they may be dropped, but by every rank or by none)."""
+
+    def __init__(self, crashes: int = 0, restarts: int = 0) -> None:
+        self.crashes, self.restarts = crashes, restarts
+        extra = [f"{crashes} sequencer restart(s)"] if crashes else []
+        extra += [f"{restarts} rank restart(s)"] if restarts else []
+        self.name = "the implementation (agreement.Member, agreement.Sequencer)" + (
+            f" ({', '.join(extra)})" if extra else ""
+        )
+
+    def initial(self, workload: Workload, nranks: int) -> ImplState:
+        from redis_layer_signals.fastdeploy.agreement import Sequencer
+
+        state = ImplState(
+            cursors=tuple(Cursor() for _ in range(nranks)),
+            members=tuple(_new_member() for _ in range(nranks)),
+            tokens=tuple(f"t{r}" for r in range(nranks)),
+            welcomed=(False,) * nranks,
+            sequencer=Sequencer(nranks, 1, NO_TIMER_MS),
+            up=((),) * nranks,
+            down=((),) * nranks,
+            queues=((),) * nranks,
+            crashes_left=self.crashes,
+            restarts_left=self.restarts,
+        )
+        for r in range(nranks):  # every rank joins the first sequencer (a move like any other)
+            state = state.send(r, json_join(state, r))
+        return state
+
+    def queues(self, state: ImplState) -> tuple[tuple[Batch, ...], ...]:
+        return state.queues
+
+    def exempt(self, workload: Workload, state: ImplState) -> frozenset[int]:
+        """The slots of requests in flight at a restart: registered on some rank before it heard
+        of the restart (every rank hears of it: a rank that never did fails ``served``)."""
+        if not state.heard_at:
+            return frozenset()
+        if None in state.heard_at:
+            return frozenset()  # a rank never heard of the restart: it owes every request
+        before = max(h for h in state.heard_at if h is not None)
+        return frozenset(r.slot for r in workload.registrations[:before])
+
+    def moves(self, workload: Workload, state: ImplState) -> Iterator[tuple[str, ImplState]]:
+        from redis_layer_signals.fastdeploy.agreement import Sequencer
+
+        nranks = len(state.members)
+        for r in range(nranks):
+            cursor = state.cursors[r]
+            if cursor.message < len(workload.messages):
+                entries = list(workload.messages[cursor.message])
+                following = state.copy()
+                progress = following.members[r].arrive(entries, None, 0)
+                following = following.advance(r, message=1).posted(r, progress)
+                yield f"rank {r}: reads message {entries}", following
+            if cursor.registration < len(workload.registrations):
+                request = workload.registrations[cursor.registration]
+                following = state.copy()
+                progress = following.members[r].registered(_task(request))
+                following = following.advance(r, registration=1).posted(r, progress)
+                yield f"rank {r}: registers slot {request.slot}", following
+            if state.up[r]:
+                yield f"sequencer: hears rank {r} {_brief(state.up[r][0])}", state.copy().sequencer_hears(r)
+            if state.down[r]:
+                yield f"rank {r}: hears {_brief(state.down[r][0])}", state.copy().member_hears(r, workload)
+            if state.restarts_left and all(state.welcomed):
+                yield f"rank {r}'s process restarts", state.copy().restart(r)
+        if state.sequencer.gathering and all(state.joined_current):
+            following = state.copy()
+            yield "sequencer: every rank joined, resumes", following.deliver(following.sequencer.resume())
+        if state.crashes_left:
+            following = state.copy()
+            following.sequencer = Sequencer(nranks, state.sequencer.generation + 1, NO_TIMER_MS)
+            following.crashes_left -= 1
+            following.up, following.down = ((),) * nranks, ((),) * nranks
+            following.welcomed = (False,) * nranks
+            for m in range(nranks):
+                following = following.send(m, json_join(following, m))
+            yield "sequencer dies: its state and every message in flight are lost", following
+
+
+NO_TIMER_MS = 1 << 40
+"""The model has no clock: nothing is given up on a timer (a rule that needs one fails
+**served**)."""
+
+
+def _new_member() -> Any:
+    from redis_layer_signals.fastdeploy.agreement import Member
+
+    return Member(give_up_ms=NO_TIMER_MS)
+
+
+def _task(request: Request) -> Any:
+    from redis_layer_signals.models import CacheTask
+
+    return CacheTask("p0", 0, request.slot, request.request_id, request.need, 1)
+
+
+def json_join(state: ImplState, r: int) -> str:
+    return _line({"rank": r, **state.members[r].joining(state.tokens[r])})
+
+
+def _line(message: dict[str, Any]) -> str:
+    return json.dumps(message, sort_keys=True, separators=(",", ":"))
+
+
+def _brief(line: str) -> str:
+    message = json.loads(line)
+    keys = message.get("keys")
+    return f"{message['t']}" + (f" {[k[1:3] for k in keys]}" if keys else "")
+
+
+@dataclass(eq=False)
+class ImplState:
+    """One state of ``Implemented``: the real objects, compared by what they hold."""
+
+    cursors: tuple[Cursor, ...]
+    members: tuple[Any, ...]
+    tokens: tuple[str, ...]
+    welcomed: tuple[bool, ...]
+    sequencer: Any
+    up: tuple[tuple[str, ...], ...]
+    down: tuple[tuple[str, ...], ...]
+    queues: tuple[tuple[Batch, ...], ...]
+    crashes_left: int
+    restarts_left: int
+    heard_at: tuple[int | None, ...] = ()
+    """Per rank, its registration cursor when it heard of the last restart (None: not yet, or
+    no restart): a request any rank registered before it heard was in flight."""
+
+    @property
+    def joined_current(self) -> list[bool]:
+        return [r in self.sequencer.joined for r in range(len(self.members))]
+
+    def copy(self) -> ImplState:
+        return copy.deepcopy(self)
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        return (
+            self.cursors,
+            tuple(_member_print(m) for m in self.members),
+            self.tokens,
+            self.welcomed,
+            _sequencer_print(self.sequencer),
+            self.up,
+            self.down,
+            self.queues,
+            self.crashes_left,
+            self.restarts_left,
+            self.heard_at,
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ImplState) and self.fingerprint() == other.fingerprint()
+
+    # -- moves ------------------------------------------------------------------------------
+
+    def advance(self, r: int, message: int = 0, registration: int = 0) -> ImplState:
+        cursor = self.cursors[r]
+        moved = Cursor(cursor.message + message, cursor.registration + registration)
+        return replace(self, cursors=_put(self.cursors, r, moved))
+
+    def send(self, r: int, line: str) -> ImplState:
+        return replace(self, up=_put(self.up, r, (*self.up[r], line)))
+
+    def posted(self, r: int, progress: Any) -> ImplState:
+        """What ``GroupLink.post`` does with a hook's progress: sent once welcomed, else held."""
+        state = self
+        if not self.welcomed[r]:
+            return state
+        generation = self.members[r].generation
+        if progress.report:
+            state = state.send(r, _line({"t": "ready", "g": generation, "keys": progress.report}))
+        if progress.lost:
+            state = state.send(r, _line({"t": "lost", "g": generation, "keys": progress.lost}))
+        return state
+
+    def deliver(self, out: list[tuple[int, dict[str, Any]]]) -> ImplState:
+        down = list(self.down)
+        for member, message in out:
+            down[member] = (*down[member], _line(message))
+        return replace(self, down=tuple(down))
+
+    def sequencer_hears(self, r: int) -> ImplState:
+        line, *rest = self.up[r]
+        state = replace(self, up=_put(self.up, r, tuple(rest)))
+        message = json.loads(line)
+        if "rank" in message:
+            out = state.sequencer.join(r, message, 0)
+        else:
+            out = state.sequencer.hear(r, message, 0)
+        return state.deliver(out)
+
+    def member_hears(self, r: int, workload: Workload) -> ImplState:
+        line, *rest = self.down[r]
+        state = replace(self, down=_put(self.down, r, tuple(rest)))
+        message = json.loads(line)
+        member = state.members[r]
+        progress = member.hear(message)
+        if message["t"] == "welcome" and member.generation == message["g"]:
+            state = replace(state, welcomed=_put(state.welcomed, r, True))
+            if member.reported:
+                state = state.send(r, _line({"t": "ready", "g": member.generation, "keys": list(member.reported)}))
+        if message["t"] == "restarted":
+            state = state.heard(r)
+        if message["t"] == "reset":
+            state = replace(state, welcomed=_put(state.welcomed, r, False)).send(r, json_join(state, r))
+        positions = _positions(workload)
+        queued = tuple((positions[entry.key],) for entry in progress.released)
+        state = replace(state, queues=_put(state.queues, r, (*state.queues[r], *queued)))
+        return state.posted(r, progress)
+
+    def heard(self, r: int) -> ImplState:
+        heard = list(self.heard_at)
+        heard[r] = self.cursors[r].registration
+        return replace(self, heard_at=tuple(heard))
+
+    def restart(self, r: int) -> ImplState:
+        """Rank ``r``'s process restarts: a fresh member under a new token, a new line (what
+        the old one had on its way is lost with it), the sequencer sees the old line close."""
+        self.sequencer.left(r)
+        nranks = len(self.members)
+        state = replace(
+            self,
+            members=_put(self.members, r, _new_member()),
+            tokens=_put(self.tokens, r, self.tokens[r] + "'"),
+            welcomed=_put(self.welcomed, r, False),
+            up=_put(self.up, r, ()),
+            down=_put(self.down, r, ()),
+            restarts_left=self.restarts_left - 1,
+            heard_at=(None,) * nranks,
+        )
+        return state.send(r, json_join(state, r))
+
+
+def _member_print(member: Any) -> tuple[Any, ...]:
+    return (
+        tuple(sorted((slot, task.request_id) for slot, task in member.tasks.items())),
+        tuple((e.slot, e.tokens, e.request_id) for e in member.waiting),
+        tuple(member.reported),
+        member.queued,
+        tuple(member.history),
+        member.generation,
+        member.fresh,
+        tuple(sorted(member.lost_requests)),
+        tuple(sorted((rid, tuple(sorted(c.items()))) for rid, c in member._chunks.items())),
+    )
+
+
+def _sequencer_print(sequencer: Any) -> tuple[Any, ...]:
+    return (
+        sequencer.generation,
+        sequencer.gathering,
+        tuple(sorted((m, j.queued, tuple(j.tail), j.fresh) for m, j in sequencer.joined.items())),
+        tuple(sorted(sequencer.tokens.items())),
+        tuple((key, tuple(sorted(who))) for key, (who, _first) in sequencer.ready.items()),
+        sequencer.order,
+        tuple(sequencer.tail),
+        tuple(sequencer.abandoned),
+    )
+
+
+_POSITIONS: dict[Workload, dict[tuple[str, int, int, int], int]] = {}
+
+
+def _positions(workload: Workload) -> dict[tuple[str, int, int, int], int]:
+    """Each entry's implementation key -> its stream position (requests named by slot)."""
+    if workload not in _POSITIONS:
+        names = {r.slot: r.request_id for r in workload.registrations}
+        seen: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        table = {}
+        for position, (slot, tokens) in enumerate(workload.stream):
+            request_id = names.get(slot, f"aborted{slot}")
+            table[(request_id, slot, tokens, seen[(request_id, slot, tokens)])] = position
+            seen[(request_id, slot, tokens)] += 1
+        _POSITIONS[workload] = table
+    return _POSITIONS[workload]

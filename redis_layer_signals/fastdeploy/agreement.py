@@ -308,6 +308,8 @@ class Sequencer:
         self.order = 0
         """Entries released in the group's order so far."""
         self.tail: collections.deque[Key] = collections.deque(maxlen=HISTORY_KEPT)
+        """The last keys of the order (what a join may lack), and the ones a repeated report
+        may name: a member says what it holds again when it is welcomed."""
         self.abandoned: collections.OrderedDict[Key, None] = collections.OrderedDict()
 
     def join(self, member: int, message: Message, now_ms: int) -> Out:
@@ -336,6 +338,9 @@ class Sequencer:
         if histories:
             longest = max(histories, key=lambda j: j.queued)
             self.order, self.tail = longest.queued, collections.deque(longest.tail, maxlen=HISTORY_KEPT)
+        released = set(self.tail)
+        for key in [key for key in self.ready if key in released]:
+            del self.ready[key]  # a report of a key the old sequencer released: not again
         for member, joined in sorted(self.joined.items()):
             if joined.fresh:
                 out += self._fresh(member, False)
@@ -381,10 +386,13 @@ class Sequencer:
     def _count(self, member: int, keys: list[Key], now_ms: int) -> Out:
         """Count ``member``'s reports; a key given up already is given up on it at once."""
         given_up = []
+        released = set(self.tail) if keys else set()
         for key in keys:
             if key in self.abandoned:
                 given_up.append(key)
                 continue
+            if key in released:
+                continue  # said again: it went already
             reporters, first_ms = self.ready.get(key, (set(), now_ms))
             reporters.add(member)
             self.ready[key] = (reporters, first_ms)
