@@ -2,11 +2,11 @@
 -- _lib.lua: the start of the rls_v2 Functions library, the helpers every function shares.
 --
 -- redis_layer_signals/server/library.py joins this file and record.lua, register.lua,
--- finish.lua, sweep.lua, apply.lua, group.lua and claim.lua (then permissions.lua and
--- digest.lua), in that order, into one library, loaded once per server with FUNCTION LOAD
--- and called with FCALL rls_v2_<operation>_<digest> (see DIGEST below). The "v2" in both
--- names is the library's version: a release that changes what a function does loads under a
--- new name, so two client releases never replace each other's functions on a shared server.
+-- finish.lua, sweep.lua, apply.lua and claim.lua (then permissions.lua and digest.lua), in that
+-- order, into one library, loaded once per server with FUNCTION LOAD and called with FCALL
+-- rls_v2_<operation>_<digest> (see DIGEST below). The "v2" in both names is the library's
+-- version: a release that changes what a function does loads under a new name, so two client
+-- releases never replace each other's functions on a shared server.
 -- A release that also changes how the keys are laid out must version its key names too
 -- (nothing released uses another layout).
 --
@@ -36,9 +36,6 @@
 --                    replaced
 --   clash    string  "<token>|<host>|<pid>|<pid namespace>|<at ms>|<write or claim>": the last
 --                    process refused by the fence (see owner_fence), for the owner to log
---
--- group.lua alone uses the keys of one tensor-parallel group of an instance, under the hash tag
--- {namespace/instance/tp<group>}: members, votes and outcomes (see its header).
 --
 -- record writes each signal blind into its own field, so its cost does not depend on what the
 -- slot already holds; HSET's reply (fields created) tells how many replaced an older signal.
@@ -198,14 +195,13 @@ local function keep_alive(key, partner, ttl, key_ttl)
   end
 end
 
--- The ownership fence: one identity, one owner. Every write an owner makes (apply, group, a
--- claim's renewal) carries its claim, the token and generation claim.lua gave it, and calls
--- this before writing anything. held is the claim Redis holds, "<token>|...|<generation>"
--- (the identity key's value, or a group member's record), nil when none. True when the caller
--- may write: no claim is held (the next renewal claims it again), the caller holds it, or the
--- held one is older than the caller's (generations only grow). False: another process claimed
--- the identity after the caller did; the caller writes nothing of the owner's and replies
--- "fenced|<now>|<held claim>", after note_clash where the rank's keys are at hand.
+-- The ownership fence: one identity, one owner. Every write an owner makes (apply, a claim's
+-- renewal) carries its claim, the token and generation claim.lua gave it, and calls this before
+-- writing anything. held is the claim Redis holds, "<token>|...|<generation>" (the identity key's
+-- value), nil when none. True when the caller may write: no claim is held (the next renewal
+-- claims it again), the caller holds it, or the held one is older than the caller's (generations
+-- only grow). False: another process claimed the identity after the caller did; the caller writes
+-- nothing of the owner's and replies "fenced|<now>|<held claim>", after note_clash.
 local function owner_fence(held, token, generation)
   if not held then
     return true

@@ -1,8 +1,8 @@
 """One identity, one owner, fenced by the server: once another process claimed a rank, nothing
-the previous owner writes lands (``apply``, the group's report), no early signal is handed out
-by both, and both sides log the clash naming the other. The Lua fence (lua/_lib.lua
-``owner_fence``) on fakeredis and a real redis-server, every interleaving of a small two-process
-history, and two bridges on a real redis-server."""
+the previous owner writes lands (``apply``), no early signal is handed out by both, and both
+sides log the clash naming the other. The Lua fence (lua/_lib.lua ``owner_fence``) on fakeredis
+and a real redis-server, every interleaving of a small two-process history, and two bridges on
+a real redis-server."""
 
 from __future__ import annotations
 
@@ -130,23 +130,6 @@ def test_a_stale_owners_apply_lands_nothing_after_a_new_claim(fence_url: str) ->
     assert (renewed.clash.owner.token, renewed.clash.refused) == ("old-writer", "write")
     assert new.claim().clash is None, "a clash is reported once"
     assert apply(buffer, "new-writer", 1, new_claim, 6) is None, "the new owner writes"
-
-
-def test_a_stale_owners_group_report_changes_nothing(fence_url: str) -> None:
-    """A group member's record is written under its rank's claim: a later claim's report resets
-    the group as a restart does, and the earlier claim's report is then refused, unwritten."""
-    buffer = SignalBuffer.from_url(fence_url, namespace=f"g-{uuid.uuid4().hex[:8]}", env={})
-    keys = buffer.protocol.keys.group("p0", 0)
-    old, new = Claim("old-writer", 5, "h|1|"), Claim("new-writer", 7, "h|2|")
-    assert buffer.execute(buffer.protocol.group(keys, 2, 0, old, 3, [])).fenced_by is None
-    assert buffer.execute(buffer.protocol.group(keys, 2, 0, new, -1, [])).reset
-    members = buffer.client.hgetall(keys.members)
-
-    answer = buffer.execute(buffer.protocol.group(keys, 2, 0, old, 9, [0]))
-
-    assert answer.fenced_by is not None and answer.fenced_by.startswith("new-writer|")
-    assert buffer.client.hgetall(keys.members) == members
-    assert buffer.client.hgetall(keys.votes) == {}
 
 
 # -- every interleaving of a two-process history ---------------------------------------------------

@@ -17,12 +17,10 @@ from typing import Any
 import pytest
 
 from redis_layer_signals import InvalidConfig, SignalBuffer
-from redis_layer_signals.fastdeploy import Layer0Bridge, voting
+from redis_layer_signals.fastdeploy import Layer0Bridge
 from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
-from redis_layer_signals.ops.admin import namespace_keys, purge
 from tests.servers import RedisServer, running, wait_until
-from tests.topology import ClusterTopology
 
 Entry = tuple[int, int]
 
@@ -255,27 +253,6 @@ def test_releases_go_on_during_an_outage_and_give_ups_wait_for_redis(namespace: 
             assert (health.group_waiting, health.group_voting, health.group_unreachable) == (0, 0, False)
 
 
-def test_tp_group_keys_share_one_hash_tag_and_carry_a_ttl(tp_url: str, namespace: str, groups: list[Group]) -> None:
-    group = Group(tp_url, namespace, 2, pending_ttl_s=0.3)
-    groups.append(group)
-    for bridge in group.bridges:
-        bridge.on_kv_signal(encode_kv_signal(0, [(9, 0, 64)]))
-    wait_until(lambda: all(b.health().group_waiting == 0 for b in group.bridges), 30, what="the give-up")
-    keys = group.buffers[0].protocol.keys.group("p0", 0)
-    client = group.buffers[0].client
-    assert keys.tag == f"{{{namespace}/p0/tp0}}"
-    for key in (keys.members, keys.votes, keys.outcomes):
-        assert key.startswith(f"rls:{keys.tag}:")
-        assert client.pttl(key) > 0, key
-    assert client.hget(keys.outcomes, "0") == b"abandoned"
-    assert client.hget(keys.votes, "0") in (b",0,1,", b",1,0,")
-    group.close()
-    groups.remove(group)
-    assert {keys.members, keys.votes, keys.outcomes} <= set(namespace_keys(client, namespace))
-    purge(client, namespace)  # what `rls purge` does: the group's keys go with the ranks'
-    assert client.exists(keys.members, keys.votes, keys.outcomes) == 0
-
-
 @pytest.mark.parametrize("bad", [0, 65, True, 2.0, "2"])
 def test_nranks_must_be_an_int_in_1_to_64(bad: Any) -> None:
     buffer = SignalBuffer.from_url("memory://", env={})
@@ -287,46 +264,6 @@ def test_nranks_above_1_needs_the_owned_layout() -> None:
     buffer = SignalBuffer.from_url("memory://", env={})
     with pytest.raises(InvalidConfig, match="registers_tasks"):
         Layer0Bridge(buffer, "p0", 0, num_layers=4, nranks=2, registers_tasks=False)
-
-
-def test_a_group_that_lost_its_keys_gets_the_ranks_votes_and_progress_back(
-    tp_url: str, namespace: str, groups: list[Group], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After a restart without persistence a rank's progress past an entry it gave up on must not
-    read as a release of that entry: each rank sends its recent give-ups again with its reports."""
-    monkeypatch.setattr(voting, "REFRESH_S", 0.05)
-    group = Group(tp_url, namespace, 2, pending_ttl_s=0.3)
-    groups.append(group)
-    for bridge in group.bridges:
-        bridge.on_kv_signal(encode_kv_signal(0, [(9, 0, 64)]))
-    wait_until(lambda: all(b.health().group_waiting == 0 for b in group.bridges), 30, what="the give-up")
-    keys = group.buffers[0].protocol.keys.group("p0", 0)
-    client = group.buffers[0].client
-    client.delete(keys.members, keys.votes, keys.outcomes)
-    wait_until(
-        lambda: client.hget(keys.outcomes, "0") == b"abandoned" and len(client.hgetall(keys.members)) == 2,
-        30,
-        what="the ranks to report again",
-    )
-    assert client.hget(keys.votes, "0") in (b",0,1,", b",1,0,")
-
-
-def test_the_group_gives_up_on_a_three_primary_cluster(
-    cluster: ClusterTopology, namespace: str, groups: list[Group]
-) -> None:
-    """The group's keys share one hash tag: one function call on one node, permissions checked
-    on the same keys, whichever primary serves the tag."""
-    group = Group(cluster.url, namespace, 2, pending_ttl_s=0.3)
-    groups.append(group)
-    for bridge in group.bridges:
-        bridge.on_cache_task(cache_info(6, "b", 300))
-        assert bridge.on_kv_signal(encode_kv_signal(0, [(9, 0, 64), (6, 0, 128)])) == []
-    for ready in group.ready:
-        assert ready.get(timeout=30) == [(6, 128)]
-    for bridge in group.bridges:
-        assert dict(bridge.health().errors) == {}
-    keys = group.buffers[0].protocol.keys.group("p0", 0)
-    assert group.buffers[0].client.hget(keys.outcomes, "0") == b"abandoned"
 
 
 def test_early_signals_an_earlier_process_left_are_not_taken_over_by_a_tp_rank(tp_url: str, namespace: str) -> None:

@@ -138,7 +138,6 @@ def test_only_the_functions_that_free_memory_run_when_the_server_is_full(redis_s
             FUNCTIONS["finish"]: ["allow-oom"],
             FUNCTIONS["sweep"]: ["allow-oom"],
             FUNCTIONS["apply"]: [],
-            FUNCTIONS["group"]: [],
             FUNCTIONS["claim"]: [],
             FUNCTIONS["permissions"]: ["no-writes"],
             DIGEST_FUNCTION: ["no-writes"],

@@ -99,9 +99,9 @@ class SignalBuffer(BufferBase):
         return self._execute(prepared)
 
     def execute(self, prepared: Prepared[T]) -> T:
-        """Run a call the FastDeploy bridge prepared (its identity claim, its group's votes),
-        with the retries, library loading and checks of every call; each is idempotent, so a
-        resend within ``retry_s`` is safe."""
+        """Run a call the FastDeploy bridge prepared (its identity claim), with the retries,
+        library loading and checks of every call; each is idempotent, so a resend within
+        ``retry_s`` is safe."""
         return self._execute(prepared)
 
     # -- reads -----------------------------------------------------------------------------

@@ -17,10 +17,10 @@ each other's tasks and signals. So, top to bottom:
    refused from now on), or at once when the predecessor is provably gone (``TOOK``: same host
    name and pid namespace, and its pid no longer alive).
 3. **Fence.** Every write the owner makes carries its ``Claim`` (token and generation): the
-   writer's ``apply``, its tensor-parallel group's votes, its renewals. The Lua function checks
-   it first (``owner_fence`` in lua/_lib.lua) and refuses a claim older than the one Redis holds:
-   nothing is written, the reply says ``fenced`` and names the holder, and the refusal is
-   counted (``ownership_fenced``) and noted for the holder to log.
+   writer's ``apply``, its renewals. The Lua function checks it first (``owner_fence`` in
+   lua/_lib.lua) and refuses a claim older than the one Redis holds: nothing is written, the
+   reply says ``fenced`` and names the holder, and the refusal is counted (``ownership_fenced``)
+   and noted for the holder to log.
 4. **Lost.** The refused process turns that reply into ``OwnershipLost`` (``lost``): it logs
    one ERROR naming the new owner's host and pid, stops writing, and gives up the early signals
    Redis holds for the rank (the new owner adopted them). Until then, it hands out such a
@@ -231,7 +231,7 @@ class IdentityClaim:
 
     def check_applied(self, fenced_by: str | None) -> None:
         """Raise ``OwnershipLost`` when the fence refused a write (``fenced_by``: the claim
-        Redis holds, from ``Applied`` or ``GroupAnswer``); nothing when the write landed."""
+        Redis holds, from ``Applied``); nothing when the write landed."""
         if fenced_by is not None:
             raise self.lost(Owner.parse(fenced_by) if fenced_by else None)
 

@@ -531,7 +531,7 @@ class OwnedLayout:
                 try:
                     self._renew(before_write=True)  # no write without the lease (OwnershipLost)
                     current = identity.held()
-                    if current is None:  # the group's call was refused: another owns the rank
+                    if current is None:  # no claim held (given up meanwhile): nothing is written without one
                         raise identity.lost(None)
                     if current is not claim:  # claimed anew (Redis had lost the key)
                         claim = current

@@ -268,12 +268,6 @@ class OwnedRank:
         """Early signals Redis has not been told about yet."""
         return sum(1 for slot, early in self._early.items() if self._redis_pending.get(slot) != early)
 
-    def count(self, counts: Mapping[str, int]) -> None:
-        """A decision made elsewhere (a tensor-parallel rank's ``group.GroupQueue``): its
-        counters, for the next batch."""
-        self.decisions += 1
-        self.counts.update(counts)
-
     # -- what Redis has not been told ---------------------------------------------------
 
     def unwritten(self) -> bool:

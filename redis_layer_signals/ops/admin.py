@@ -121,12 +121,11 @@ def _pending_rows(instance: str, rank: int, slot: int, signals: list[tuple[int, 
 
 
 def namespace_keys(client: Any, namespace: str) -> list[str]:
-    """Every key of ``namespace`` (SCAN by its prefix, then checked against the key layout): a
-    rank's, or a tensor-parallel group's."""
+    """Every key of ``namespace`` (SCAN by its prefix, then checked against the key layout)."""
     space = KeySpace(namespace)
     found = []
     for key in client.scan_iter(match=space.pattern(), count=1000):
-        if space.owner(key) is not None or space.is_group_key(text(key)):
+        if space.owner(key) is not None:
             found.append(text(key))
     return sorted(found)
 

@@ -16,7 +16,6 @@ from typing import Any, Generic, TypeVar
 from .. import validation
 from ..config import BufferConfig
 from ..constants import (
-    KEY_PREFIX,
     MAX_BATCH,
     MAX_INT,
     PENDING_KEY_GRACE_S,
@@ -27,7 +26,7 @@ from ..constants import (
 )
 from ..errors import InvalidSignal, InvalidTask, SlotOccupied
 from ..models import CacheTask, FinishResult, RecordResult, RegisterResult
-from .keys import GroupKeys, KeySpace, RankKeys
+from .keys import KeySpace, RankKeys
 from .replies import (
     batch_signals,
     by_flag,
@@ -232,35 +231,6 @@ class _Apply(Prepared[Applied]):
         return Applied(now, int(overridden), int(tasks), int(pending))
 
 
-class GroupAnswer:
-    """What ``group`` answered: whether the group's keys were reset (this member came with a
-    token the group did not know), and the outcome of each voted sequence number, in order;
-    or, when the ownership fence refused the call (nothing written), the member's record that a
-    later claim of the rank wrote (``fenced_by``)."""
-
-    __slots__ = ("fenced_by", "outcomes", "reset")
-
-    def __init__(self, reset: bool, outcomes: list[str], fenced_by: str | None = None) -> None:
-        self.reset = reset
-        self.outcomes = outcomes
-        self.fenced_by = fenced_by
-
-
-class _Group(Prepared[GroupAnswer]):
-    __slots__ = ()
-
-    def __init__(self, call: ScriptCall) -> None:
-        self.operation = "group"
-        self.call = call
-
-    def parse(self, reply: Any) -> GroupAnswer:
-        status, _now, payload = split_reply(reply)
-        if status == FENCED:
-            return GroupAnswer(False, [], payload)
-        reset, _, outcomes = payload.partition(";")
-        return GroupAnswer(reset == "1", outcomes.split(",") if outcomes else [])
-
-
 FENCED = "fenced"
 """The status of a reply the ownership fence refused (lua/_lib.lua ``owner_fence``)."""
 
@@ -462,20 +432,6 @@ class Protocol:
         call = ScriptCall("apply", rank_keys, args)
         return _Apply(call)
 
-    # -- group (tensor-parallel ranks of the FastDeploy bridge) -----------------------------
-
-    def group(
-        self, keys: GroupKeys, nranks: int, member: int, claim: Claim, handled: int, votes: Sequence[int]
-    ) -> Prepared[GroupAnswer]:
-        """Report ``member``'s highest handled sequence number and vote to give up ``votes``
-        (lua/group.lua), under the claim of the member's rank (refused, ``fenced_by``, once a
-        later claim of the rank wrote there). The caller (the bridge's group thread) builds
-        every value itself."""
-        args = [self._now(), str(nranks), str(member), claim.token, str(handled), self._task_key_ttl]
-        args.append(str(claim.generation))
-        args.extend(str(seq) for seq in votes)
-        return _Group(ScriptCall("group", [keys.members, keys.votes, keys.outcomes], args))
-
     def live_entry(self, deadline_ms: int, request_id: str) -> str:
         """A live hash entry as lua/_lib.lua lays it out."""
         return f"{deadline_ms:016d}|{request_id}"
@@ -497,15 +453,10 @@ class Protocol:
         """The check of every command the rank's functions may run, on the keys of ``call``'s
         rank (see ``lua/permissions.lua``): a refused one is found before anything is written,
         and its parse raises ``NoPermissionError`` naming the call's operation."""
-        first = call.keys[0]
-        if call.script == "group":
-            tag = first[len(KEY_PREFIX) + 1 : first.index("}") + 1]
-            keys = GroupKeys(tag, *call.keys).permission_keys
-        else:
-            owner = self.keys.owner(first)
-            assert owner is not None, first  # every call's keys are built here
-            rank = self.keys.rank(*owner)  # all of them: a call passes only the keys it touches
-            keys = [rank.live, rank.pending, rank.expiry, rank.stats, rank.reply("check"), rank.ended]
+        owner = self.keys.owner(call.keys[0])
+        assert owner is not None, call.keys[0]  # every call's keys are built here
+        rank = self.keys.rank(*owner)  # all of them: a call passes only the keys it touches
+        keys = [rank.live, rank.pending, rank.expiry, rank.stats, rank.reply("check"), rank.ended]
         return PermissionCheck(call.script, ScriptCall("permissions", keys, []))
 
     def slot_keys(self, instance: Any, rank: Any, slot: Any) -> RankKeys:

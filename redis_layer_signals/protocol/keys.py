@@ -49,24 +49,6 @@ class RankKeys:
         return (self.live, self.pending, self.expiry, self.ended)
 
 
-@dataclass(frozen=True)
-class GroupKeys:
-    """The keys of one tensor-parallel group of an instance (lua/group.lua), under the hash tag
-    ``{ns/instance/tp<group>}``: every rank of the group calls on the same Cluster slot."""
-
-    tag: str
-    members: str  # hash: member -> "<token>|<highest sequence number it handled>|<generation>"
-    votes: str  # hash: sequence number -> ",<member>,<member>,": who voted to abandon it
-    outcomes: str  # hash: sequence number -> "released" or "abandoned", final once written
-
-    @property
-    def permission_keys(self) -> list[str]:
-        """Six keys under the group's tag in the order ``rls_v2_permissions`` takes a rank's
-        (live, pending, expiry, stats, reply, ended): the same commands checked on its keys."""
-        base = f"{KEY_PREFIX}:{self.tag}:"
-        return [self.members, self.votes, base + "expiry", base + "stats", base + "reply:check", self.outcomes]
-
-
 class KeySpace:
     """Builds (and caches) the key names of one namespace."""
 
@@ -74,7 +56,6 @@ class KeySpace:
         self.namespace = namespace
         self._ranks: dict[tuple[str, int], RankKeys] = {}
         self._tag_re = re.compile(rf"^{re.escape(KEY_PREFIX)}:\{{{re.escape(namespace)}/([^/{{}}]+)/(\d+)\}}:")
-        self._group_re = re.compile(rf"^{re.escape(KEY_PREFIX)}:\{{{re.escape(namespace)}/([^/{{}}]+)/tp(\d+)\}}:")
 
     def rank(self, instance: str, rank: int) -> RankKeys:
         cached = self._ranks.get((instance, rank))
@@ -91,16 +72,6 @@ class KeySpace:
             )
             self._ranks[(instance, rank)] = cached
         return cached
-
-    def group(self, instance: str, group: int) -> GroupKeys:
-        """The keys of tensor-parallel group ``group`` of ``instance`` (see ``GroupKeys``)."""
-        tag = f"{{{self.namespace}/{instance}/tp{group}}}"
-        base = f"{KEY_PREFIX}:{tag}:"
-        return GroupKeys(tag=tag, members=base + "members", votes=base + "votes", outcomes=base + "outcomes")
-
-    def is_group_key(self, key: str) -> bool:
-        """Whether ``key`` is one of this namespace's tensor-parallel group keys."""
-        return self._group_re.match(key) is not None
 
     def pattern(self, kind: str = "*") -> str:
         """SCAN pattern for this namespace's keys (identifiers hold no glob characters)."""

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotation is only re
     from importlib.resources.abc import Traversable
 
 LIBRARY_NAME = "rls_v2"
-OPERATIONS = ("record", "register", "finish", "sweep", "apply", "group", "claim")
+OPERATIONS = ("record", "register", "finish", "sweep", "apply", "claim")
 CHECKS = ("permissions",)
 """Functions that write nothing and that the buffers call before an operation's first call."""
 FILES = ("_lib.lua", *(f"{name}.lua" for name in (*OPERATIONS, *CHECKS)), "digest.lua")
