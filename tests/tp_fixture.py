@@ -6,6 +6,12 @@ The stubs put FastDeploy's barriers where its sender has them and the fixture le
 ``begin_send_cache_barrier`` right after the sender takes a batch (the stub queue's ``get``),
 ``finish_send_cache_barrier`` right before each finished task is reported (the stub worker
 queue's ``put_finished_req``, which the fixture calls under the lock, as FastDeploy waits there).
+
+With ``adders="free"`` (``tp.run_group``) the stub worker queue's ``finish_add_cache_task_barrier``
+is the harness's no-op, so the fixture's adders run out of lockstep as develop's do (PR 7724);
+the fixture's sender is its own, so it runs with ``sender="one"`` only. ``PatchedFixtureRule``
+runs the fixture as ``rls fastdeploy patch`` leaves it, its ``Layer0Bridge`` on the harness's
+Redis: FastDeploy's structure with the bridge.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from redis_layer_signals.buffer.sync import SignalBuffer
+from redis_layer_signals.fastdeploy.bridge import Layer0Bridge
 from redis_layer_signals.fastdeploy.demo.tp import RankIO
+from redis_layer_signals.fastdeploy.patch import patch_source
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fastdeploy" / "cache_messager.py"
 _EXEC_LOCK = threading.Lock()
@@ -39,7 +48,8 @@ class StubWorkerQueue:
         return self.io.get_cache_info()
 
     def put_finished_add_cache_task_req(self, request_ids: list[str]) -> None:
-        self.io.put_finished_add_cache_task_req(request_ids)
+        if self.io.adders == "lockstep":  # develop has no acknowledgement (PR 7724)
+            self.io.put_finished_add_cache_task_req(request_ids)
 
     def write_cache(self, slot: int, tokens: int) -> None:
         self.io.write_cache(self.messager.idx_cache_task_dict[slot]["request_id"], slot, tokens)
@@ -66,8 +76,13 @@ class BarrierQueue:
 
 
 class FixtureMessager:
-    def __init__(self, io: RankIO) -> None:
-        namespace = _execute_fixture()
+    def __init__(self, io: RankIO, bridge: Callable[..., Layer0Bridge] | None = None) -> None:
+        """``bridge``: run the patched fixture, its ``bridge_for_messager`` replaced by this."""
+        if io.sender != "one":
+            raise ValueError(f"sender={io.sender!r}: the fixture's sender is its own, run it with sender='one'")
+        namespace = _execute_fixture(patched=bridge is not None)
+        if bridge is not None:
+            namespace["bridge_for_messager"] = bridge
         worker_queue = StubWorkerQueue(io)
         namespace["EngineWorkerQueue"] = lambda **_kwargs: worker_queue
         namespace["get_output_kv_signal"] = lambda buffer, _rank_id, _wait: io.get_output_kv_signal(buffer)
@@ -81,7 +96,10 @@ class FixtureMessager:
         return [m.consume_signals, m._add_cache_task_thread, m.prefill_layerwise_send_cache_thread]
 
     def close(self) -> None:
-        pass
+        bridge = getattr(self.messager, "layer0", None)
+        if bridge is not None:
+            bridge.close()
+            bridge.buffer.close()
 
 
 class FixtureRule:
@@ -93,7 +111,42 @@ class FixtureRule:
         return FixtureMessager(io)
 
 
-def _execute_fixture() -> dict[str, Any]:
+class PatchedFixtureRule:
+    """The fixture as ``rls fastdeploy patch`` leaves it: FastDeploy's structure with the
+    bridge, each rank's ``Layer0Bridge`` on ``url`` with a client of its own, told the group's
+    size, built as ``bridge_for_messager`` builds it (the short ``pending_ttl_s`` of the
+    harness's ``bridge_rule``, so a group gives up an aborted request's signal within a test)."""
+
+    name = "bridge in FastDeploy's structure (patched fixture)"
+
+    def __init__(self, url: str, namespace: str, pending_ttl_s: float = 1.0) -> None:
+        self.url, self.namespace, self.pending_ttl_s = url, namespace, pending_ttl_s
+
+    def messager(self, io: RankIO, group: str) -> FixtureMessager:
+        def bridge_for_messager(
+            *, rank: int, nranks: int, block_size: int, num_layers: int, ready: Any, logger: Any, **_where: Any
+        ) -> Layer0Bridge:
+            buffer = SignalBuffer.from_url(self.url, namespace=self.namespace, pending_ttl_s=self.pending_ttl_s)
+            try:
+                return Layer0Bridge(
+                    buffer,
+                    group,
+                    rank,
+                    block_size,
+                    num_layers=num_layers,
+                    ready=ready,
+                    registers_tasks=True,
+                    nranks=nranks,
+                    logger=logger,
+                )
+            except BaseException:
+                buffer.close()
+                raise
+
+        return FixtureMessager(io, bridge_for_messager)
+
+
+def _execute_fixture(patched: bool = False) -> dict[str, Any]:
     paddle = types.ModuleType("paddle")
     paddle.full = lambda shape, fill_value, dtype: np.full(shape, fill_value, dtype=dtype)  # type: ignore[attr-defined]
     stubs: dict[str, Any] = {
@@ -105,7 +158,8 @@ def _execute_fixture() -> dict[str, Any]:
         "fastdeploy.utils": types.SimpleNamespace(get_logger=lambda *_a: logging.getLogger("tp.fixture")),
     }
     namespace: dict[str, Any] = {"__name__": "fixture_cache_messager"}
-    code = compile(FIXTURE.read_bytes(), str(FIXTURE), "exec")
+    source = patch_source(FIXTURE.read_bytes()).patched if patched else FIXTURE.read_bytes()
+    code = compile(source, str(FIXTURE), "exec")
     with _EXEC_LOCK:
         saved = {name: sys.modules.get(name) for name in stubs}
         sys.modules.update(stubs)

@@ -15,6 +15,34 @@ between them. The barriers time out: a group whose ranks wait on different barri
 deadlocked instead of hanging. A ``Rule`` builds a rank's messager around its ``RankIO``, what
 FastDeploy's engine gives a messager (signals, cache_infos, barriers, the transport), which
 records what the rank queued and sent.
+
+Two options model FastDeploy's develop branch, where the prefill messager changed twice after
+release/2.6 (their pull-request threads describe the changes; no copy of the files is public):
+
+- ``adders="free"`` (PR 7724, which prepares requests on several engine threads): the adders'
+  ``finish_add_cache_task_barrier`` is gone, with the acknowledgement the engine waited for
+  (``put_finished_add_cache_task_req``). Each rank's adder reads cache_infos with its own
+  jitter (``adder_jitter_s``) and nothing brings the adders back together, so one rank can
+  register a task well before another (the jitters add up over the batches waiting in a rank's
+  inbox). Instead, the sender polls until an entry's task is registered on its rank
+  (``_maybe_wait_for_cache_task``; with no time limit, as a review of the PR notes; here the
+  poll ends with the run), after ``begin_send_cache_barrier``, where release/2.6 asserts the
+  task is there (our reading of where the PR calls it). ``adders="lockstep"`` (the default) is
+  release/2.6.
+- ``sender="pool"`` (PR 7931, which sends the cache "layer x request" at once on a
+  ``ThreadPoolExecutor``): the sender still takes one batch at a time from its queue, but each
+  layer of each entry of the batch is a job on a small pool (``pool_workers``; FastDeploy
+  starts 32), and a batch of a single job is written on the sender's thread (our reading of the
+  PR's single-task path). The PR's description names no change to the barriers, so they stay
+  on the sender's thread: ``begin_send_cache_barrier`` once per batch taken; then the wait for
+  each entry's task and the jobs (``RankIO.write_layer``); once every job is done, the entries
+  count as sent (``RankIO.write_cache``) in the batch's order, and ``finish_send_cache_barrier``
+  is met once per task the batch finished, in the batch's order, under the lock. A batch of
+  the bridge holds one entry, so it is ``layers`` jobs. ``sender="one"`` (the default) writes
+  on the sender's thread.
+
+What the GPU computes is not paced in either mode: a job does not wait for its layer's
+progress, as the harness's later-layer messages only advance progress.
 """
 
 from __future__ import annotations
@@ -48,6 +76,14 @@ DEFAULT_LAYERS = 2
 DEFAULT_TIMEOUT_S = 10.0
 """A run whose requests are not all sent this long after the last event ends as stalled."""
 BARRIERS = ("finish_add_cache_task_barrier", "begin_send_cache_barrier", "finish_send_cache_barrier")
+ADDERS = ("lockstep", "free")
+"""``lockstep``: the adders meet at ``finish_add_cache_task_barrier`` after each batch of
+cache_infos (release/2.6); ``free``: no such barrier (develop, PR 7724)."""
+SENDERS = ("one", "pool")
+"""``one``: the sender writes on its own thread (release/2.6); ``pool``: it writes a batch's
+layers as concurrent jobs on a thread pool (develop, PR 7931)."""
+DEFAULT_POOL_WORKERS = 4
+"""Threads of a pooled sender: few, on a 2-core machine; FastDeploy starts 32."""
 
 
 class Stopped(BaseException):
@@ -105,6 +141,16 @@ class GroupBarrier:
         self._state.wait(self.name, self._rank)
 
 
+class NoBarrier:
+    """Where FastDeploy's develop branch has no barrier any more: ``.wait()`` returns at once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait(self) -> None:
+        return None
+
+
 class RecordingQueue:
     """``cache_prefilled_engine_ids_queue``: records every batch put on it, in order. One
     sender takes from it; a batch counts as in hand until the sender asks for the next one."""
@@ -145,24 +191,51 @@ class RecordingQueue:
 class RankIO:
     """What FastDeploy's engine gives one rank's messager, recording what the rank did."""
 
-    def __init__(self, state: GroupState, rank: int, seed: int, max_jitter_s: float, layers: int) -> None:
+    def __init__(
+        self,
+        state: GroupState,
+        rank: int,
+        seed: int,
+        max_jitter_s: float,
+        layers: int,
+        *,
+        adders: str = "lockstep",
+        sender: str = "one",
+        pool_workers: int = DEFAULT_POOL_WORKERS,
+        adder_jitter_s: float | None = None,
+    ) -> None:
         self.state = state
         self.rank = rank
         self.nranks = state.nranks
         self.layers = layers
         """GPU messages per forward step (the model's layers)."""
+        self.adders = adders
+        """``ADDERS``: whether the adders meet at a barrier after each batch of cache_infos."""
+        self.sender = sender
+        """``SENDERS``: how the rank's sender writes a batch."""
+        self.pool_workers = pool_workers
         self.signals: queue.Queue[np.ndarray[Any, Any]] = queue.Queue()
         self.cache_infos: queue.Queue[list[dict[str, Any]]] = queue.Queue()
         self.ready = RecordingQueue(state)
-        self.finish_add_cache_task_barrier = GroupBarrier(state, "finish_add_cache_task_barrier", rank)
+        self.finish_add_cache_task_barrier: GroupBarrier | NoBarrier = (
+            GroupBarrier(state, "finish_add_cache_task_barrier", rank)
+            if adders == "lockstep"
+            else NoBarrier("finish_add_cache_task_barrier")
+        )
         self.begin_send_cache_barrier = GroupBarrier(state, "begin_send_cache_barrier", rank)
         self.finish_send_cache_barrier = GroupBarrier(state, "finish_send_cache_barrier", rank)
         self._consumer_jitter = random.Random(f"{seed}/{rank}/consumer")
         self._adder_jitter = random.Random(f"{seed}/{rank}/adder")
         self._max_jitter_s = max_jitter_s
+        self._adder_max_jitter_s = max_jitter_s if adder_jitter_s is None else adder_jitter_s
         self._lock = threading.Lock()
         self.writes: list[tuple[str, int]] = []
         """``(request_id, tokens)`` of every send, in order."""
+        self.layer_writes: list[tuple[str, int, int]] = []
+        """``(request_id, tokens, layer)`` of every layer a pooled sender's job wrote, in the
+        order the jobs ran."""
+        self.task_waits = 0
+        """Entries the sender took before its own adder had registered their task (it waited)."""
         self.finished: list[str] = []
         """Requests reported finished (``put_finished_req``), in order."""
         self.added: list[str] = []
@@ -199,12 +272,21 @@ class RankIO:
         except queue.Empty:
             return []
         self._info_in_hand = True
-        time.sleep(self._adder_jitter.uniform(0, self._max_jitter_s))
+        time.sleep(self._adder_jitter.uniform(0, self._adder_max_jitter_s))
         return [dict(info) for info in batch]
 
     def write_cache(self, request_id: str, slot: int, tokens: int) -> None:
         with self._lock:
             self.writes.append((request_id, int(tokens)))
+
+    def write_layer(self, request_id: str, slot: int, tokens: int, layer: int) -> None:
+        """One job of a pooled sender: one layer of one entry."""
+        with self._lock:
+            self.layer_writes.append((request_id, int(tokens), int(layer)))
+
+    def waited_for_task(self) -> None:
+        with self._lock:
+            self.task_waits += 1
 
     def put_finished_req(self, request_id: str, status: str) -> None:
         with self._lock:
@@ -266,6 +348,10 @@ class GroupOutcome:
     writes: tuple[tuple[tuple[str, int], ...], ...]
     errors: tuple[str, ...]
     seconds: float
+    adders: str = "lockstep"
+    sender: str = "one"
+    task_waits: tuple[int, ...] = ()
+    """Per rank, the entries its sender took before its own adder had registered their task."""
 
     @property
     def deadlocked(self) -> bool:
@@ -313,11 +399,17 @@ class GroupOutcome:
         where = "; ".join(f"rank {r} at {', '.join(names)}" for r, names in enumerate(self.stuck) if names)
         state = f"deadlocked ({where})" if self.broken else ("stalled" if self.stalled else "ran through")
         batches = "/".join(str(len(s)) for s in self.sequences)
+        mode = (
+            ""
+            if (self.adders, self.sender) == ("lockstep", "one")
+            else f" ({self.adders} adders, {self.sender} sender)"
+        )
+        waits = f", sender waited for its task {sum(self.task_waits)} times" if any(self.task_waits) else ""
         return (
-            f"{self.rule} {self.workload} TP{self.nranks} seed {self.seed}: {state}, "
+            f"{self.rule}{mode} {self.workload} TP{self.nranks} seed {self.seed}: {state}, "
             f"{'identical' if self.identical else 'divergent'} sequences ({batches} batches), "
             f"sent {len(self.sent)}/{len(self.expected)}, lost {_few(self.lost)}, "
-            f"sent twice {_few(self.sent_twice)}, errors {len(self.errors)}"
+            f"sent twice {_few(self.sent_twice)}, errors {len(self.errors)}{waits}"
         )
 
 
@@ -338,14 +430,39 @@ def run_group(
     barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
     max_jitter_s: float = DEFAULT_MAX_JITTER_S,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    adders: str = "lockstep",
+    sender: str = "one",
+    pool_workers: int = DEFAULT_POOL_WORKERS,
+    adder_jitter_s: float | None = None,
 ) -> GroupOutcome:
     """Run ``workload`` on a group of ``nranks`` messagers built by ``rule`` and collect what
     each rank queued and sent. ``group`` names the instance (the bridge's ``instance``); a new
-    name by default, so runs on one namespace never meet."""
+    name by default, so runs on one namespace never meet. ``adders`` and ``sender`` choose
+    release/2.6's threads or develop's (see the module doc); ``adder_jitter_s`` bounds the
+    adders' jitter per batch of cache_infos (``max_jitter_s`` unless given)."""
+    if adders not in ADDERS:
+        raise ValueError(f"adders={adders!r}: expected one of {ADDERS}")
+    if sender not in SENDERS:
+        raise ValueError(f"sender={sender!r}: expected one of {SENDERS}")
+    if not isinstance(pool_workers, int) or pool_workers < 1:
+        raise ValueError(f"pool_workers={pool_workers!r}: expected an int of at least 1")
     started = time.monotonic()
     group = group or f"tp-{secrets.token_hex(4)}"
     state = GroupState(nranks, barrier_timeout_s)
-    ios = [RankIO(state, rank, seed, max_jitter_s, layers) for rank in range(nranks)]
+    ios = [
+        RankIO(
+            state,
+            rank,
+            seed,
+            max_jitter_s,
+            layers,
+            adders=adders,
+            sender=sender,
+            pool_workers=pool_workers,
+            adder_jitter_s=adder_jitter_s,
+        )
+        for rank in range(nranks)
+    ]
     messagers: list[RankMessager] = []
     threads: list[threading.Thread] = []
     try:
@@ -384,6 +501,9 @@ def run_group(
         writes=tuple(tuple(io.writes) for io in ios),
         errors=tuple(e for io in ios for e in io.errors),
         seconds=time.monotonic() - started,
+        adders=adders,
+        sender=sender,
+        task_waits=tuple(io.task_waits for io in ios),
     )
 
 

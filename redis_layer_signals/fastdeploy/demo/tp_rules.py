@@ -6,7 +6,12 @@ merges the two halves of each cache_info, puts the task in ``idx_cache_task_dict
 lock, acknowledges the batch and waits on ``finish_add_cache_task_barrier``; the sender takes a
 batch, waits on ``begin_send_cache_barrier``, sends each entry (asserting its task is known, as
 FastDeploy does), and, holding the lock, waits on ``finish_send_cache_barrier`` and reports each
-task the batch finished. What to queue for layer 0 is the rule's (``Layer0Policy``):
+task the batch finished. Run with develop's threads (``tp.run_group(adders="free",
+sender="pool")``, modelled in ``tp``'s module doc), the adder neither acknowledges the batch nor
+waits on a barrier, and the sender, after ``begin_send_cache_barrier``, waits for each entry's
+task instead of asserting it (PR 7724); it writes the batch's layers on a thread pool before it
+meets ``finish_send_cache_barrier`` (PR 7931). What to queue for layer 0 is the rule's
+(``Layer0Policy``):
 
 - ``ReadySplit``: FastDeploy release/2.6 with PR 7872. The entries of a layer-0 message whose
   task is registered go out as one batch now; the others wait in a dict (newest per slot) and
@@ -23,12 +28,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ...buffer.sync import SignalBuffer
 from ..bridge import Layer0Bridge
 from ..signals import SIGNAL_LAYER, KvSignal, decode_kv_signal
-from .tp import RankIO, RankMessager, new_signal_buffer
+from .tp import POLL_S, RankIO, RankMessager, Stopped, new_signal_buffer
 
 
 class Layer0Policy:
@@ -159,11 +165,17 @@ class ModelMessager:
         self.cache_info: dict[str, dict[str, Any]] = {}
         self.progress: dict[int, tuple[int, int]] = {}
         """``engine_cache_tasks``: per slot, (layer, tokens) of the newest message."""
+        self.pool: ThreadPoolExecutor | None = None
+        """The pooled sender's threads (``sender="pool"``), None for one sender thread."""
+        if io.sender == "pool":
+            self.pool = ThreadPoolExecutor(io.pool_workers, thread_name_prefix=f"tp-send-{io.rank}")
 
     def loops(self) -> list[Callable[[], None]]:
         return [self.consume_signals, self.add_cache_tasks, self.send_batches]
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
         self.policy.close()
 
     def consume_signals(self) -> None:
@@ -203,6 +215,8 @@ class ModelMessager:
             task["status"] = "init"
             self.policy.register(self, task)
             added.append(request_id)
+        if self.io.adders == "free":
+            return  # develop (PR 7724): no acknowledgement, no barrier
         if added:
             self.io.put_finished_add_cache_task_req(added)
         self.io.finish_add_cache_task_barrier.wait()
@@ -217,13 +231,58 @@ class ModelMessager:
 
     def _send(self, batch: list[tuple[int, int]]) -> None:
         self.io.begin_send_cache_barrier.wait()
-        for slot, tokens in batch:
+        if self.pool is None:
+            for slot, tokens in batch:
+                task = self._task_of(slot)
+                self.io.write_cache(task["request_id"], slot, tokens)
+                if tokens >= task["need_prefill_tokens"]:
+                    task["status"] = "finished"
+        else:
+            self._send_on_pool(self.pool, batch)
+        self._report(batch)
+
+    def _task_of(self, slot: int) -> dict[str, Any]:
+        """The task of an entry the sender took: release/2.6 asserts it is registered; develop
+        (``adders="free"``) waits for it (``_maybe_wait_for_cache_task``, PR 7724): it polls
+        until the slot's task is registered on this rank, with no time limit (``Stopped`` once
+        the run is over)."""
+        task = self.idx_cache_task_dict.get(slot)
+        if task is not None:
+            return task
+        if self.io.adders == "lockstep":
+            raise AssertionError(f"engine_index {slot} not in idx_cache_task_dict")
+        self.io.waited_for_task()
+        while task is None:
+            if self.io.state.over.wait(POLL_S):
+                raise Stopped
             task = self.idx_cache_task_dict.get(slot)
-            if task is None:
-                raise AssertionError(f"engine_index {slot} not in idx_cache_task_dict")
+        return task
+
+    def _send_on_pool(self, pool: ThreadPoolExecutor, batch: list[tuple[int, int]]) -> None:
+        """develop's sender (PR 7931): every layer of every entry of the batch is a job; a batch
+        of one job is written on the sender's thread. The batch is done when every job is."""
+        tasks = [self._task_of(slot) for slot, _ in batch]
+        jobs = [
+            (task, slot, tokens, layer)
+            for task, (slot, tokens) in zip(tasks, batch, strict=True)
+            for layer in range(self.io.layers)
+        ]
+        if len(jobs) == 1:
+            task, slot, tokens, layer = jobs[0]
+            self.io.write_layer(task["request_id"], slot, tokens, layer)
+        else:
+            futures: list[Future[None]] = [
+                pool.submit(self.io.write_layer, task["request_id"], slot, tokens, layer)
+                for task, slot, tokens, layer in jobs
+            ]
+            for future in futures:
+                future.result()
+        for task, (slot, tokens) in zip(tasks, batch, strict=True):
             self.io.write_cache(task["request_id"], slot, tokens)
             if tokens >= task["need_prefill_tokens"]:
                 task["status"] = "finished"
+
+    def _report(self, batch: list[tuple[int, int]]) -> None:
         done = [(slot, self.idx_cache_task_dict[slot]) for slot, _ in batch]
         done = [(slot, task) for slot, task in done if task["status"] == "finished"]
         for slot, task in done:
