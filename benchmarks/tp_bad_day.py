@@ -24,26 +24,33 @@ rank's sender takes each batch from its ``ready`` queue and finishes the task
    seconds mid-run;
 3. ``black_hole``: only rank 1's link to Redis black-holed for ``--outage`` seconds (a TCP proxy
    in front of the server, for that rank alone, stops forwarding both ways; rank 0 at TP 1);
-4. ``restart``: one rank's bridge closed and a new one started for that rank mid-run (rank 1;
-   rank 0 at TP 1), as a restart of that rank's process alone;
+4. ``restart``: one rank's bridge closed and a new one started for that rank (rank 1; rank 0 at
+   TP 1), as a restart of that rank's process alone, mid-request: right after the rank
+   registered the task of the first request from ``--disrupt-at`` on whose task comes before its
+   signal, so that its new bridge gets the signal;
 5. ``nranks``: the last rank told half the group's size (4, 4, 4, 2 at TP 4; 2, 1 at TP 2; no
    TP 1 run).
+
+``--abort-everywhere`` gives every row the aborted request, and ``--pending-ttl S`` the buffers a
+``pending_ttl_s`` of their own (a short one puts the group's give-up inside the outage).
 
 Per request, the added delay is the time its layer-0 batch is on the ``ready`` queue of the last
 rank, minus the time both its signal and its task were given to every rank; "never" when it is
 not queued on every rank by the end of the run (the later of the last request and the end of
 the outage) plus ``--grace`` seconds. A run ends early once every request is queued on every rank
-and the outage is over. Per row: the requests (the aborted one not counted), how many were
-queued with more than 0.2 s added, the largest added delay of those queued, how many were never
-queued (of which arrived after the restart), whether every rank's queued batch sequence was
-identical, and the WARNING and ERROR lines the bridges logged.
+and the outage has been over for a second. Per row: the requests (the aborted one not counted),
+how many were queued with more than 0.2 s added, the largest added delay of those queued, how
+many were never queued (of which arrived after the restart), whether every rank's queued batch
+sequence was identical, and the WARNING and ERROR lines the bridges logged; below the table,
+what each run's ``health()`` said and those lines.
 
 Usage::
 
     .venv/bin/python benchmarks/tp_bad_day.py [--quick] [--json PATH] [--markdown PATH]
+    .venv/bin/python benchmarks/tp_bad_day.py --report-from PATH   # the report of a saved --json
 
-Prints the markdown report (the table, then what each run's ranks said) and writes it and the
-JSON of every run where asked. About 5 minutes at the defaults, 1 with ``--quick``.
+Prints the markdown report and writes it and the JSON of every run where asked. About 5 minutes
+at the defaults, under 2 with ``--quick``.
 """
 
 from __future__ import annotations
@@ -107,7 +114,8 @@ class Settings:
     outage: float = 12.0
     """How long Redis stays paused, or the link black-holed."""
     disrupt_at: float = 3.0
-    """When the pause, the black hole or the restart starts (seconds into the run)."""
+    """When the pause or the black hole starts, and from when on the restart comes (seconds into
+    the run, the warmup included)."""
     grace: float = 15.0
     """A request not queued on every rank this long after the run's end is "never"."""
     jitter: float = 0.02
@@ -135,10 +143,21 @@ class Request:
     """None for the aborted request: its task never comes."""
 
 
+def request_count(settings: Settings) -> int:
+    return max(2, round(settings.seconds / settings.interval))
+
+
+def aborted_index(settings: Settings) -> int:
+    """The aborted request: one sixth into the run (request 5 at the defaults)."""
+    return max(1, request_count(settings) // 6)
+
+
 def workload(settings: Settings, aborted: bool) -> list[Request]:
+    """The requests of a run, the same on every rank and in every row of one seed: each arrives
+    ``interval`` after the one before, its signal and its task each up to ``MAX_SKEW_S`` late."""
     rng = random.Random(f"{settings.seed}/workload")
-    count = max(2, round(settings.seconds / settings.interval))
-    abort_index = max(1, count // 6) if aborted else -1
+    count = request_count(settings)
+    abort_index = aborted_index(settings) if aborted else -1
     requests = []
     for i in range(count):
         start = settings.warmup + i * settings.interval
@@ -579,7 +598,11 @@ class Run:
                     "queued_on_ranks": sum(p is not None for p in puts),
                 }
             )
-        sequences = [[list(map(list, batch)) for _, batch in rank.ready.puts] for rank in self.ranks]
+        sequences = [
+            " ".join(",".join(f"{slot}:{tokens}" for slot, tokens in batch) for _, batch in rank.ready.puts)
+            for rank in self.ranks
+        ]
+        """Per rank, the batches it queued in order, each ``slot:tokens`` (entries joined by commas)."""
         never = [p for p in per_request if p["added_delay_s"] is None]
         return {
             "row": self.row,
@@ -593,7 +616,7 @@ class Run:
             "never_after_restart": sum(p["after_restart"] for p in never) if self.row == "restart" else None,
             "restarted_at_s": None if self.restarted_at is None else round(self.restarted_at, 3),
             "identical": all(s == sequences[0] for s in sequences),
-            "batches_per_rank": [len(s) for s in sequences],
+            "batches_per_rank": [len(rank.ready.puts) for rank in self.ranks],
             "log_lines": dict(self.log.counts),
             "log": list(self.log.lines),
             "library_log": list(self.log.library),
@@ -641,7 +664,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         if res.get("skipped"):
             lines.append(f"| {res['row']} | {res['tp']} | - | - | - | - | - | - | - |")
             continue
-        delay = "-" if res["max_added_delay_s"] is None else f"{res['max_added_delay_s']:.2f} s"
+        delay = "-" if res["max_added_delay_s"] is None else f"{res['max_added_delay_s']:.3f} s"
         never = str(res["never"])
         if res["never_after_restart"] is not None and res["never"]:
             never += f" ({res['never_after_restart']} after the restart)"
@@ -703,7 +726,7 @@ per run, driven through the bridge's public face only. A request every {settings
 order) and each task (its adder not in lockstep with the others), each 0-{settings.jitter * 1000:.0f} ms
 late at random, the signal or the task first at random; a rank's sender takes each batch off its
 `ready` queue and finishes the task. The aborted request (in {aborted}) is request
-{max(1, round(settings.seconds / settings.interval) // 6)}: its signal comes, its task never does;
+{aborted_index(settings)}: its signal comes, its task never does;
 `pending_ttl_s` is {ttl}. Pause and black hole start {settings.disrupt_at:g} s into the run and
 last {settings.outage:g} s; the restart comes right after the restarting rank registered the task
 of the first request from {settings.disrupt_at:g} s on whose task comes before its signal: its new
@@ -734,6 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tp", default="1,2,4", help="TP sizes, comma-separated (default 1,2,4).")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"Rows to run (default {','.join(ROWS)}).")
     parser.add_argument("--seconds", type=float, default=None, help="Requests arrive for this long.")
+    parser.add_argument("--interval", type=float, default=None, help="Seconds between requests (default 0.3).")
     parser.add_argument("--outage", type=float, default=None, help="Pause and black hole length, seconds.")
     parser.add_argument("--disrupt-at", type=float, default=None, help="When the disruption starts, seconds.")
     parser.add_argument("--grace", type=float, default=None, help="After the run, how long to wait for requests.")
@@ -742,11 +766,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pending-ttl", type=float, default=None, help="The buffers' pending_ttl_s (default: theirs).")
     parser.add_argument("--json", type=Path, default=None, help="Write every run's outcome here.")
     parser.add_argument("--markdown", type=Path, default=None, help="Write the report here too.")
+    parser.add_argument(
+        "--report-from", type=Path, default=None, help="Print the report of a --json file; run nothing."
+    )
     args = parser.parse_args(argv)
+    if args.report_from is not None:
+        saved = json.loads(args.report_from.read_text())
+        print(markdown(saved["runs"], Settings(**saved["settings"]), saved["meta"]), end="")
+        return 0
     base = QUICK if args.quick else Settings()
     overrides = {
         name: getattr(args, name)
-        for name in ("seconds", "outage", "disrupt_at", "grace")
+        for name in ("seconds", "interval", "outage", "disrupt_at", "grace")
         if getattr(args, name) is not None
     }
     settings = dataclasses.replace(
