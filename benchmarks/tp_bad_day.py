@@ -70,6 +70,7 @@ import select
 import signal
 import socket
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -102,6 +103,8 @@ MAX_SKEW_S = 0.05
 POLL_S = 0.05
 KEPT_LINES = 200
 """WARNING and ERROR lines kept per run (all are counted)."""
+WIDTH = 100
+"""The report's prose wraps here."""
 SETTLE_S = 1.0
 """After an outage, a run goes on at least this long: the ranks' health then says how they came back."""
 
@@ -717,35 +720,40 @@ def markdown(results: Sequence[dict[str, Any]], settings: Settings, meta: Mappin
     rows = "\n".join(f"- `{row}`: {LABELS[row]}" for row in ROWS if any(r["row"] == row for r in results))
     ttl = "the default" if settings.pending_ttl_s is None else f"{settings.pending_ttl_s:g} s"
     aborted = "every row" if settings.abort_everywhere else "`aborted` and `paused`"
+    setup = (
+        f"`benchmarks/tp_bad_day.py` ({meta['args']}), {meta['date']}, {meta['machine']}, {meta['server']}. "
+        "Groups of `Layer0Bridge` (`registers_tasks=True`, `nranks` the group's size), one redis-server per run, "
+        f"driven through the bridge's public face only. A request every {settings.interval:g} s for "
+        f"{settings.seconds:g} s, each on a slot of its own; every rank gets each layer-0 message (same order) "
+        f"and each task (its adder not in lockstep with the others), each 0-{settings.jitter * 1000:.0f} ms late "
+        "at random, the signal or the task first at random; a rank's sender takes each batch off its `ready` "
+        f"queue and finishes the task. The aborted request (in {aborted}) is request {aborted_index(settings)}: "
+        f"its signal comes, its task never does; `pending_ttl_s` is {ttl}. Pause and black hole start "
+        f"{settings.disrupt_at:g} s into the run and last {settings.outage:g} s; the restart comes right after "
+        f"the restarting rank registered the task of the first request from {settings.disrupt_at:g} s on whose "
+        "task comes before its signal: its new bridge gets that signal."
+    )
+    measure = (
+        "Added delay: when the request's batch is on the `ready` queue of the last rank, minus when its signal "
+        f'and its task had both been given to every rank. "Delayed" counts requests queued on every rank with '
+        f'more than {DELAYED_S} s added; "never queued" those not queued on every rank {settings.grace:g} s '
+        "after the run's end (the later of the last request and the end of the outage); the aborted request is "
+        'not counted. "Identical sequences": every rank put the same batches in the same order on its queue '
+        '(a restarted rank: both bridges\' batches, in order). "Run s": how long the run took (it ends once '
+        f"every request is queued on every rank and the outage has been over for {SETTLE_S:g} s)."
+    )
     return f"""# A tensor-parallel group's bad day: what it costs against TP 1
 
-`benchmarks/tp_bad_day.py` ({meta["args"]}), {meta["date"]}, {meta["machine"]}, {meta["server"]}.
-Groups of `Layer0Bridge` (`registers_tasks=True`, `nranks` the group's size), one redis-server
-per run, driven through the bridge's public face only. A request every {settings.interval:g} s for
-{settings.seconds:g} s, each on a slot of its own; every rank gets each layer-0 message (same
-order) and each task (its adder not in lockstep with the others), each 0-{settings.jitter * 1000:.0f} ms
-late at random, the signal or the task first at random; a rank's sender takes each batch off its
-`ready` queue and finishes the task. The aborted request (in {aborted}) is request
-{aborted_index(settings)}: its signal comes, its task never does;
-`pending_ttl_s` is {ttl}. Pause and black hole start {settings.disrupt_at:g} s into the run and
-last {settings.outage:g} s; the restart comes right after the restarting rank registered the task
-of the first request from {settings.disrupt_at:g} s on whose task comes before its signal: its new
-bridge gets that signal.
+{textwrap.fill(setup, WIDTH, break_on_hyphens=False)}
 
 {rows}
 
-Added delay: when the request's batch is on the `ready` queue of the last rank, minus when its
-signal and its task had both been given to every rank. "Delayed" counts requests queued on every
-rank with more than {DELAYED_S} s added; "never queued" those not queued on every rank
-{settings.grace:g} s after the run's end (the later of the last request and the end of the outage);
-the aborted request is not counted. "Identical sequences": every rank put the same batches in
-the same order on its queue (a restarted rank: both bridges' batches, in order). "Run s": how
-long the run took (it ends once every request is queued on every rank and the outage is over).
+{textwrap.fill(measure, WIDTH, break_on_hyphens=False)}
 
 {table(results)}
 
 What each run's ranks said (`health()` fields that are true, positive or not quiet, at the run's
-end, before `close()`; the first WARNING and ERROR lines the bridges logged):
+end, before `close()`; each distinct WARNING and ERROR line the bridges logged, with its ranks):
 
 {details(results)}
 """
