@@ -359,3 +359,33 @@ def test_rls_bench_hooks_forwards_tp_and_refuses_one_out_of_range(monkeypatch: p
     assert forwarded == [["--tp", "8", "--step-ms", "0.0"]]
     refused = CliRunner().invoke(app, ["bench", "--hooks", "--tp", "9"])
     assert refused.exit_code == 2 and not forwarded[1:]
+
+
+def test_tp_bad_day_reports_every_row_at_every_tp_size(tmp_path: Path) -> None:
+    """benchmarks/tp_bad_day.py at its smallest: every row runs at TP 1 and 2 on servers it starts,
+    each run's requests are all accounted for (a delay or "never"), and the table prints every
+    row. How long anything waited is the benchmark's report, not a test."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "tp_bad_day.py"
+    out = tmp_path / "tp_bad_day.json"
+    options = ["--quick", "--tp", "1,2", "--seconds", "1.5", "--outage", "1", "--disrupt-at", "0.8", "--grace", "1"]
+    done = subprocess.run(
+        [sys.executable, str(script), *options, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    cases = json.loads(out.read_text())["runs"]
+    rows = ("aborted", "paused", "black_hole", "restart", "nranks")
+    assert [(case["row"], case["tp"]) for case in cases] == [(row, tp) for row in rows for tp in (1, 2)]
+    for case in cases:
+        line = next(line for line in done.stdout.splitlines() if line.startswith(f"| {case['row']} | {case['tp']}"))
+        if case.get("skipped"):
+            assert case["row"] == "nranks" and case["tp"] == 1
+            continue
+        assert case["requests"] == len(case["per_request"]) > 0
+        never = sum(request["added_delay_s"] is None for request in case["per_request"])
+        assert case["never"] == never and 0 <= case["delayed"] <= case["requests"] - never
+        assert len(case["batches_per_rank"]) == len(case["health"]) == case["tp"]
+        assert line.split(" | ")[2] == str(case["requests"])
+    assert [case["aborted"] != [] for case in cases if not case.get("skipped")] == [True] * 4 + [False] * 5
