@@ -13,6 +13,8 @@ checks in every reachable state:
 - **once**: no rank queues an entry of the stream twice;
 - **slot order**: a rank queues the entries of one slot in the GPU's order (a later chunk never
   overtakes an earlier one);
+- **registered** (``Implemented`` only): a rank queues an entry only once its task is registered
+  on the rank (FastDeploy's sender asserts it, or waits for it);
 
 and in every state where nothing is left to happen (every message read, every task registered,
 every message between ranks delivered):
@@ -28,9 +30,9 @@ request may wait on another, so a rule that needs one to move on fails **served*
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Sequence
 import copy
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -176,7 +178,7 @@ def explore(rule: Rule[S], workload: Workload, nranks: int, limit: int = 2_000_0
     while frontier:
         state = frontier.popleft()
         queues = rule.queues(state)
-        broken = check_state(workload, queues)
+        broken = check_state(workload, queues) or getattr(state, "broken", None)
         if broken is None:
             steps = list(rule.moves(workload, state))
             if not steps:
@@ -563,22 +565,31 @@ class Implemented:
             crashes_left=self.crashes,
             restarts_left=self.restarts,
         )
-        for r in range(nranks):  # every rank joins the first sequencer (a move like any other)
-            state = state.send(r, json_join(state, r))
+        # The group starts joined: every rank's join heard, the sequencer resumed, every
+        # welcome heard (a join is explored where it matters: after a sequencer's crash).
+        for r in range(nranks):
+            state = state.send(r, json_join(state, r)).sequencer_hears(r)
+        state = state.deliver(state.sequencer.resume())
+        for r in range(nranks):
+            while state.down[r]:
+                state = state.member_hears(r, workload)
         return state
 
     def queues(self, state: ImplState) -> tuple[tuple[Batch, ...], ...]:
         return state.queues
 
     def exempt(self, workload: Workload, state: ImplState) -> frozenset[int]:
-        """The slots of requests in flight at a restart: registered on some rank before it heard
-        of the restart (every rank hears of it: a rank that never did fails ``served``)."""
+        """The slots of requests in flight at a restart: registered, or with an entry read, on
+        some rank before it heard of the restart (the old process may have read the only copy
+        of an entry). Every rank hears of it: a rank that never did fails ``served``."""
         if not state.heard_at:
             return frozenset()
         if None in state.heard_at:
-            return frozenset()  # a rank never heard of the restart: it owes every request
-        before = max(h for h in state.heard_at if h is not None)
-        return frozenset(r.slot for r in workload.registrations[:before])
+            return frozenset()
+        messages = max(h.message for h in state.heard_at if h is not None)
+        registrations = max(h.registration for h in state.heard_at if h is not None)
+        read = {slot for message in workload.messages[:messages] for slot, _tokens in message}
+        return frozenset(read | {r.slot for r in workload.registrations[:registrations]})
 
     def moves(self, workload: Workload, state: ImplState) -> Iterator[tuple[str, ImplState]]:
         from redis_layer_signals.fastdeploy.agreement import Sequencer
@@ -595,7 +606,7 @@ class Implemented:
             if cursor.registration < len(workload.registrations):
                 request = workload.registrations[cursor.registration]
                 following = state.copy()
-                progress = following.members[r].registered(_task(request))
+                progress = following.members[r].registered(_task(request), 0)
                 following = following.advance(r, registration=1).posted(r, progress)
                 yield f"rank {r}: registers slot {request.slot}", following
             if state.up[r]:
@@ -663,9 +674,11 @@ class ImplState:
     queues: tuple[tuple[Batch, ...], ...]
     crashes_left: int
     restarts_left: int
-    heard_at: tuple[int | None, ...] = ()
-    """Per rank, its registration cursor when it heard of the last restart (None: not yet, or
-    no restart): a request any rank registered before it heard was in flight."""
+    broken: str | None = None
+    """What a move broke that only the move can see (**registered**)."""
+    heard_at: tuple[Cursor | None, ...] = ()
+    """Per rank, its cursor when it heard of the last restart (None: not yet): a request any
+    rank registered, or read an entry of, before it heard was in flight."""
 
     @property
     def joined_current(self) -> list[bool]:
@@ -687,6 +700,7 @@ class ImplState:
             self.crashes_left,
             self.restarts_left,
             self.heard_at,
+            self.broken,
         )
 
     def __hash__(self) -> int:
@@ -727,10 +741,7 @@ class ImplState:
         line, *rest = self.up[r]
         state = replace(self, up=_put(self.up, r, tuple(rest)))
         message = json.loads(line)
-        if "rank" in message:
-            out = state.sequencer.join(r, message, 0)
-        else:
-            out = state.sequencer.hear(r, message, 0)
+        out = state.sequencer.join(r, message, 0) if "rank" in message else state.sequencer.hear(r, message, 0)
         return state.deliver(out)
 
     def member_hears(self, r: int, workload: Workload) -> ImplState:
@@ -741,6 +752,13 @@ class ImplState:
         progress = member.hear(message)
         if message["t"] == "welcome" and member.generation == message["g"]:
             state = replace(state, welcomed=_put(state.welcomed, r, True))
+            if message.get("skip"):
+                # A restarted process starts at the group's order so far: its queue is checked
+                # from there on against the others' (the model keeps the whole order: the tail
+                # is never cut at these sizes).
+                skipped = list(state.sequencer.tail)[: message["skip"]]
+                positions = _positions(workload)
+                state = replace(state, queues=_put(state.queues, r, tuple((positions[k],) for k in skipped)))
             if member.reported:
                 state = state.send(r, _line({"t": "ready", "g": member.generation, "keys": list(member.reported)}))
         if message["t"] == "restarted":
@@ -749,12 +767,18 @@ class ImplState:
             state = replace(state, welcomed=_put(state.welcomed, r, False)).send(r, json_join(state, r))
         positions = _positions(workload)
         queued = tuple((positions[entry.key],) for entry in progress.released)
+        for entry in progress.released:
+            task = member.tasks.get(entry.slot)
+            if task is None or task.request_id != entry.key[0]:
+                state = replace(
+                    state, broken=f"registered: rank {r} queued {positions[entry.key]} before its task registered there"
+                )
         state = replace(state, queues=_put(state.queues, r, (*state.queues[r], *queued)))
         return state.posted(r, progress)
 
     def heard(self, r: int) -> ImplState:
         heard = list(self.heard_at)
-        heard[r] = self.cursors[r].registration
+        heard[r] = self.cursors[r]
         return replace(self, heard_at=tuple(heard))
 
     def restart(self, r: int) -> ImplState:

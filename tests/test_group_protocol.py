@@ -1,17 +1,21 @@
 """Every interleaving of a tensor-parallel group's layer-0 rule, checked (tests/group_protocol.py):
 FastDeploy's PR 7872 rule, the PR 8035 rule and the bridge's strict GPU order each fail with a
 counterexample; the rule proposed for the group (ready on every rank, one sequencer's order)
-holds on every workload, at 2 ranks and at 3."""
+holds on every workload, at 2 ranks and at 3; and so does the implementation (agreement.Member and
+agreement.Sequencer), through sequencer crashes and rank restarts."""
 
 from __future__ import annotations
 
+import collections
 from dataclasses import replace
 
 import pytest
 
+from redis_layer_signals.fastdeploy.agreement import Key, Out, Sequencer
 from tests.group_protocol import (
     Agreement,
     AllPending,
+    Implemented,
     ReadyByAll,
     ReadySplit,
     Request,
@@ -131,7 +135,10 @@ def test_check_state_catches_an_entry_queued_twice_and_chunks_out_of_order() -> 
 
 def test_check_final_owes_each_registered_request_its_last_chunk_and_nothing_of_an_aborted_one() -> None:
     assert check_final(ABORTED_FIRST, [((1,),), ((1,),)]) is None
-    assert (check_final(ABORTED_FIRST, [((1,),), ()]) or "").startswith("served: rank 1")
+    assert (check_final(ABORTED_FIRST, [((1,),), ()]) or "").startswith("served: the ranks queued [1, 0]")
+    assert (check_final(ABORTED_FIRST, [((1,),), ()], exempt=frozenset({1})) or "").startswith("served: the ranks")
+    assert (check_final(ABORTED_FIRST, [(), ()]) or "").startswith("served: rank 0 never queued slot 1")
+    assert check_final(ABORTED_FIRST, [(), ()], exempt=frozenset({1})) is None
     assert check_final(MIXED, [((1,), (2,), (3,))]) is None  # slot 3's 500 tokens exceed its need
 
 
@@ -168,3 +175,73 @@ def test_the_checker_catches_a_recovery_that_forgets_what_a_rank_queued(broken: 
     failed = [verdict for verdict in verdicts if verdict.violation is not None]
     print("\n".join(verdict.explain() for verdict in failed[:1]))
     assert failed, "a broken recovery held on every workload"
+
+
+# -- the implementation itself (agreement.Member and agreement.Sequencer) ------------------------
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_the_implementation_holds_over_every_interleaving(name: str, nranks: int) -> None:
+    workload = WORKLOADS[name]
+    if nranks == 3 and name == "mixed":
+        workload = Workload(workload.messages[:2], workload.registrations[:2])
+    verdict = explore(Implemented(), workload, nranks)
+    print(verdict.explain())
+    assert verdict.violation is None, verdict.explain()
+    assert verdict.states > 10
+
+
+@pytest.mark.parametrize("name", ["two_in_one_message", "two_chunks", "aborted_first"])
+def test_the_implementation_holds_when_its_sequencer_dies_anywhere(name: str) -> None:
+    verdict = explore(Implemented(crashes=1), WORKLOADS[name], 2)
+    print(verdict.explain())
+    assert verdict.violation is None, verdict.explain()
+
+
+@pytest.mark.parametrize("name", ["two_chunks", "aborted_first"])
+def test_the_implementation_holds_when_a_rank_restarts_anywhere(name: str) -> None:
+    """A restart loses the requests in flight (on every rank alike) and nothing after them."""
+    verdict = explore(Implemented(restarts=1), WORKLOADS[name], 2)
+    print(verdict.explain())
+    assert verdict.violation is None, verdict.explain()
+
+
+class _ReleasesOnAnyReport(Sequencer):
+    """A broken sequencer: an entry goes once one rank has it ready."""
+
+    def _release(self) -> Out:
+        saved, self.nranks = self.nranks, 1
+        try:
+            return super()._release()
+        finally:
+            self.nranks = saved
+
+
+class _CountsAReleasedKeyAgain(Sequencer):
+    """The bug the check found first: a report a member repeats after its welcome, heard after
+    the release, starts a new count."""
+
+    def _count(self, member: int, keys: list[Key], now_ms: int) -> Out:
+        tail, self.tail = self.tail, collections.deque()
+        try:
+            return super()._count(member, keys, now_ms)
+        finally:
+            self.tail = tail
+
+
+@pytest.mark.parametrize(
+    ("broken", "crashes", "violation"),
+    [(_ReleasesOnAnyReport, 0, "registered"), (_CountsAReleasedKeyAgain, 1, "once")],
+)
+def test_the_check_catches_a_broken_sequencer(
+    broken: type[Sequencer], crashes: int, violation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis_layer_signals.fastdeploy.agreement as agreement
+
+    monkeypatch.setattr(agreement, "Sequencer", broken)
+    workloads = [TWO_IN_ONE_MESSAGE, TWO_CHUNKS, ABORTED_FIRST]
+    verdicts = [explore(Implemented(crashes=crashes), workload, 2) for workload in workloads]
+    failed = [verdict for verdict in verdicts if verdict.violation is not None]
+    print("\n".join(verdict.explain() for verdict in failed[:1]))
+    assert failed and any(verdict.violation.startswith(violation) for verdict in failed if verdict.violation)

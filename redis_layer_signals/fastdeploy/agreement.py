@@ -67,6 +67,8 @@ class Entry:
     """When the rank read it, on its monotonic clock."""
     key: Key | None = None
     """Its name, once its task is known."""
+    ready_ms: int = 0
+    """When it was reported ready (its task known here): its wait for the other ranks starts."""
 
 
 @dataclass
@@ -119,10 +121,11 @@ class Member:
             if task is None:
                 self.waiting.append(entry)
             else:
+                entry.ready_ms = now_ms
                 self._ready(entry, task, progress)
         return progress
 
-    def registered(self, task: CacheTask) -> Progress:
+    def registered(self, task: CacheTask, now_ms: int) -> Progress:
         """A task registered on this rank (over whatever held its slot, as FastDeploy does):
         its waiting entries are ready, in stream order."""
         self.tasks[task.slot] = task
@@ -130,6 +133,7 @@ class Member:
         still: list[Entry] = []
         for entry in self.waiting:
             if entry.slot == task.slot and self._task_for(entry) is task:
+                entry.ready_ms = now_ms
                 self._ready(entry, task, progress)
             else:
                 still.append(entry)
@@ -359,8 +363,10 @@ class Sequencer:
         return out if self.gathering else out + self._release()
 
     def left(self, member: int) -> None:
-        """A member's connection closed: it joins again (with its history) when it comes back."""
+        """A member's connection closed: it joins again (with its history and its reports) when
+        it comes back; a restarted process, with neither."""
         self.joined.pop(member, None)
+        self._forget(member)
 
     def expire(self, now_ms: int) -> Out:
         """Give up keys that some ranks reported ``give_up_ms`` ago and the others never did (a
@@ -378,10 +384,15 @@ class Sequencer:
         something already, or the rank spoke with another process before, the rank restarted:
         the requests in flight are lost to it, and every member is told."""
         self.joined[member] = Joined(self.order, [])
+        self._forget(member)  # what its last process reported died with it
         out: Out = [(member, self._welcome(self.order))]
         if restarted or self.order:
             out += self._broadcast({"t": "restarted", "g": self.generation, "rank": member})
         return out
+
+    def _forget(self, member: int) -> None:
+        for reporters, _first_ms in self.ready.values():
+            reporters.discard(member)
 
     def _count(self, member: int, keys: list[Key], now_ms: int) -> Out:
         """Count ``member``'s reports; a key given up already is given up on it at once."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ..ops.metrics import RANK_LABELS, Exporter, TrackedCollector
 
@@ -26,6 +26,32 @@ if TYPE_CHECKING:
 
 OPERATIONS = ("on_kv_signal", "on_cache_task", "on_task_finished")
 """The three hooks, as the ``operation`` label spells them."""
+WAIT_BUCKETS_S = (0.001, 0.005, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+"""Bounds of the wait histograms, in seconds: a task's usual lag (ms) up to the pending TTL."""
+
+
+class WaitHistogram:
+    """Counts of waits per bucket, kept by the bridge under its lock (no lock of its own),
+    exported as a Prometheus histogram: cheaper on the hooks' path than a client ``Histogram``."""
+
+    __slots__ = ("buckets", "count", "total_s")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * len(WAIT_BUCKETS_S)
+        self.count = 0
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        for index, bound in enumerate(WAIT_BUCKETS_S):
+            if seconds <= bound:
+                self.buckets[index] += 1
+                return
+
+    def snapshot(self) -> tuple[tuple[int, ...], int, float]:
+        """(per-bucket counts, not cumulative; count; sum in seconds)."""
+        return tuple(self.buckets), self.count, self.total_s
 
 
 @dataclass(frozen=True)
@@ -74,6 +100,11 @@ class BridgeHealth:
     group_events: Mapping[str, int] = field(default_factory=dict)
     """Recoveries and refusals seen: ``generation`` (a new sequencer), ``restart`` (a rank
     restarted), ``reset``, ``refused``, ``duplicate``, ``nranks``, ``absent``, ``bug``."""
+    early_wait: tuple[tuple[int, ...], int, float] = ((0,) * len(WAIT_BUCKETS_S), 0, 0.0)
+    """How long the early signals handed to their task had waited for it (``WaitHistogram``)."""
+    group_wait: tuple[tuple[int, ...], int, float] = ((0,) * len(WAIT_BUCKETS_S), 0, 0.0)
+    """A tensor-parallel rank: how long each entry the group released waited, once ready here,
+    for the other ranks (their tasks)."""
     group_outcomes: Mapping[str, int] = field(default_factory=dict)
     """Entries the group queued (``released``) or dropped here, by why (``lost``, ``abandoned``,
     ``expired`` or a drop reason)."""
@@ -171,6 +202,16 @@ class _BridgeCollector(TrackedCollector[Tracked]):
             "Times another live process held this bridge's instance and rank (IdentityTaken)",
             labels=LABELS,
         )
+        early = HistogramMetricFamily(
+            "rls_bridge_early_signal_wait_seconds",
+            "How long an early layer-0 signal waited for its task, handed to it",
+            labels=LABELS,
+        )
+        group_wait = HistogramMetricFamily(
+            "rls_bridge_group_wait_seconds",
+            "Tensor-parallel rank: how long an entry, ready here, waited for the other ranks",
+            labels=LABELS,
+        )
         for bridge in bridges:
             health = bridge.health()
             labels = [bridge.buffer.config.namespace, bridge.instance, str(bridge.rank)]
@@ -189,6 +230,13 @@ class _BridgeCollector(TrackedCollector[Tracked]):
                 events.add_metric([*labels, event], n)
             for outcome, n in health.group_outcomes.items():
                 outcomes.add_metric([*labels, outcome], n)
+            for family, (counts, count, total) in ((early, health.early_wait), (group_wait, health.group_wait)):
+                cumulative, buckets = 0, []
+                for bound, n in zip(WAIT_BUCKETS_S, counts, strict=True):
+                    cumulative += n
+                    buckets.append((str(bound), cumulative))
+                buckets.append(("+Inf", count))
+                family.add_metric(labels, buckets, total)
             identity.add_metric(labels, int(health.identity == "held"))
             refusals.add_metric(labels, health.identity_refusals)
             for operation in OPERATIONS:
@@ -209,6 +257,8 @@ class _BridgeCollector(TrackedCollector[Tracked]):
             problem,
             events,
             outcomes,
+            early,
+            group_wait,
             errors,
             identity,
             refusals,

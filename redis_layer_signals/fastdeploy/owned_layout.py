@@ -25,6 +25,7 @@ from ..protocol.replies import text
 from .agreement import Member, Progress
 from .context import STATS_DEGRADED_MS, STATS_RECONCILED, STATS_SERVED_LOCALLY, Batch, RankContext
 from .group_link import GroupLink
+from .health import WaitHistogram
 from .identity import (
     LAPSED,
     TAKEN,
@@ -103,6 +104,8 @@ class OwnedLayout:
         self._link: GroupLink | None = None
         self.group_outcomes: collections.Counter[str] = collections.Counter()
         """Entries the group queued (``released``) or dropped, by why (see ``settle_group``)."""
+        self.group_wait = WaitHistogram()
+        """How long each entry the group released waited, once ready here, for the others."""
         if nranks > 1:
             self.group = Member(give_up_ms=ctx.pending_ttl_ms)
             namespace = buffer.protocol.keys.namespace
@@ -146,7 +149,7 @@ class OwnedLayout:
             if taken_from is not None:
                 ctx.log_takeover(task, taken_from)
             if self.group is not None and self._link is not None:
-                progress = self.group.registered(task)
+                progress = self.group.registered(task, ctx.mono_ms())
                 self._link.post(progress)
                 self.settle_group(progress)
                 return []
@@ -180,8 +183,11 @@ class OwnedLayout:
         ``group_outcomes``; Redis counts the early signals as for a rank of its own)."""
         ctx = self.ctx
         outcomes = self.group_outcomes
+        now_ms = ctx.mono_ms() if progress.released else 0
         for entry in progress.released:
             ctx.ready.put([(entry.slot, entry.tokens)])
+            if entry.ready_ms:
+                self.group_wait.observe((now_ms - entry.ready_ms) / 1000)
         if progress.released:
             outcomes["released"] += len(progress.released)
         for entry, why in progress.dropped:
@@ -220,6 +226,7 @@ class OwnedLayout:
             "identity": self._claim,
             "identity_holder": self._refusal.holder if self._refusal is not None else "",
             "identity_refusals": self._refusals,
+            "early_wait": self.owned.early_wait.snapshot(),
         }
         if self.group is not None and self._link is not None:
             state = self._link.state
@@ -231,6 +238,7 @@ class OwnedLayout:
             fields["group_problem"] = state.problem
             fields["group_events"] = dict(state.events)
             fields["group_outcomes"] = dict(self.group_outcomes)
+            fields["group_wait"] = self.group_wait.snapshot()
         return fields
 
     def _unwritten(self) -> int:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ..models import CacheTask, DropReason
 from ..protocol.calls import SlotState, encode_task
+from .health import WaitHistogram
 from .local import LocalTask, verdict_of
 
 UNKNOWN = "?"
@@ -111,6 +112,8 @@ class OwnedRank:
         """Hook decisions since the last take."""
         self.in_flight: Batch | None = None
         """The batch taken and not yet confirmed written."""
+        self.early_wait = WaitHistogram()
+        """How long each early signal handed to its task had waited for it."""
 
     # -- what the hooks decide ----------------------------------------------------------
 
@@ -192,6 +195,7 @@ class OwnedRank:
         local.recovery = (tokens, request_id, recorded_at_ms, reason.value if reason else "")
         if reason is None:
             local.queued_tokens = max(local.queued_tokens, tokens)
+            self.early_wait.observe((now_ms - recorded_at_ms) / 1000)
         return reason
 
     def settle_held_back(self, now_ms: int) -> tuple[list[tuple[int, int]], list[tuple[CacheTask, int, DropReason]]]:
