@@ -443,6 +443,10 @@ class Sequencer:
         held = [key for key in keys if self.ready.pop(key, None) is not None]
         return self._broadcast(_abandoning(self.generation, held)) if held else []
 
+    def broadcast(self, message: Message) -> Out:
+        """``message`` to every joined member (what the transport has to say to all)."""
+        return self._broadcast(message)
+
     def _broadcast(self, message: Message) -> Out:
         return [(member, message) for member in sorted(self.joined)]
 

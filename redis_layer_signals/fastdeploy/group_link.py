@@ -215,6 +215,8 @@ class GroupLink:
         self._joined = False
         """The sequencer welcomed this connection: reports go out as they come."""
         self._said: set[str] = set()
+        self._missing_since: float | None = None
+        """The sequencer: since when a rank of the group has not joined."""
         self._next_check = 0.0
         self._thread = threading.Thread(target=self._run, name="rls-group", daemon=True)
 
@@ -343,6 +345,10 @@ class GroupLink:
             self._drop_line()
             return
         for message in messages:
+            if message.get("t") in ("problem", "resolved"):
+                if self._sequencer is None:  # the sequencer's own rank said it already
+                    self._relayed(message)
+                continue
             if message.get("t") == "refused":
                 self._problem("refused", f"the group refused this rank: {message.get('why')}")
                 self._drop_line()
@@ -489,14 +495,7 @@ class GroupLink:
         missing = self._live() - joined
         if not missing:
             return True
-        if now < self._gather_until:
-            return False
-        self._problem(
-            "absent",
-            f"ranks {sorted(missing)} are alive but did not join the group's generation "
-            f"{self._sequencer.generation} within {JOIN_WAIT_S:g}s: going on without them",
-        )
-        return True
+        return now >= self._gather_until  # the missing ones are named by ``_absent``
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -585,6 +584,7 @@ class GroupLink:
                 self.settle(progress)
         if self._sequencer is not None and not self._sequencer.gathering:
             self._lead_out(self._sequencer.expire(self.ctx.mono_ms()))
+            self._absent()
         assert self._dir is not None
         differ = []
         for path in sorted(self._dir.glob("rank-*.lock")):
@@ -602,12 +602,54 @@ class GroupLink:
         else:
             self._resolved("nranks")
 
+    def _absent(self) -> None:
+        """The sequencer: ranks that have not joined for ``JOIN_WAIT_S`` hold back every release.
+        Named with what this host knows of them: alive here and not joining (another nranks, a
+        hung process), or not running on this host (a group runs on one host)."""
+        assert self._sequencer is not None and self._dir is not None
+        now = time.monotonic()
+        missing = sorted(
+            set(range(self.first, self.first + self.nranks)) - {self.first + m for m in self._sequencer.joined}
+        )
+        if not missing:
+            self._missing_since = None
+            self._resolved("absent")
+            return
+        if self._missing_since is None:
+            self._missing_since = now
+        if now - self._missing_since < JOIN_WAIT_S:
+            return
+        alive = [r for r in missing if _held(self._dir / f"rank-{r}.lock")]
+        gone = [r for r in missing if r not in alive]
+        words = []
+        if alive:
+            words.append(f"ranks {alive} run on this host but have not joined (another nranks? a hung process?)")
+        if gone:
+            words.append(
+                f"ranks {gone} do not run on this host (not started yet, or on another host: "
+                "a group's ranks must share one)"
+            )
+        self._problem(
+            "absent",
+            f"group {self.group} cannot release anything: " + "; ".join(words),
+        )
+
+    def _relayed(self, message: Message) -> None:
+        kind = f"group-{message.get('kind')}"
+        if message["t"] == "problem":
+            self._problem(kind, f"the sequencer says: {message.get('text')}")
+        else:
+            self._resolved(kind)
+
     def _problem(self, kind: str, text: str, error: bool = True) -> None:
-        """Say why the group cannot agree: once per kind until it is resolved; health shows it."""
+        """Say why the group cannot agree: once per kind until it is resolved; health shows it.
+        The sequencer tells every member, so that every rank's health shows it."""
         with self.ctx.lock:
             self.state.problem = text
             if kind not in self._said:
                 self.state.events[kind] += 1
+        if self._sequencer is not None and kind not in self._said:
+            self._lead_out(self._sequencer.broadcast({"t": "problem", "kind": kind, "text": text}))
         self._say(kind, text, error)
 
     def _resolved(self, kind: str) -> None:
@@ -615,6 +657,8 @@ class GroupLink:
             self._said.discard(kind)
             with self.ctx.lock:
                 self.state.problem = ""
+            if self._sequencer is not None:
+                self._lead_out(self._sequencer.broadcast({"t": "resolved", "kind": kind}))
             self.ctx.logger.warning(
                 "%s/%d: the tensor-parallel group: resolved (%s)", self.ctx.instance, self.rank, kind
             )
