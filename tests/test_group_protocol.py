@@ -10,6 +10,8 @@ import collections
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from redis_layer_signals.fastdeploy.agreement import Key, Out, Sequencer
 from tests.group_protocol import (
@@ -245,3 +247,52 @@ def test_the_check_catches_a_broken_sequencer(
     failed = [verdict for verdict in verdicts if verdict.violation is not None]
     print("\n".join(verdict.explain() for verdict in failed[:1]))
     assert failed and any(verdict.violation.startswith(violation) for verdict in failed if verdict.violation)
+
+
+# -- larger groups and streams, sampled: random walks through the implementation's moves ----------
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> Workload:
+    """Up to 5 requests over 4 slots in up to 6 messages (chunks of 32 tokens, some over their
+    need, some aborted), registered in an order of their own."""
+    requests = draw(st.integers(1, 5))
+    slots = draw(st.permutations(range(1, 9)))[:requests]
+    aborted = set(draw(st.sets(st.sampled_from(slots), max_size=1)))
+    chunks = {slot: draw(st.integers(1, 3)) for slot in slots}
+    entries = [(slot, 32 * (n + 1)) for slot in slots for n in range(chunks[slot])]
+    order = draw(st.permutations(range(len(entries))))
+    per_slot: dict[int, int] = {}
+    stream = []
+    for index in sorted(order, key=lambda i: order.index(i)):
+        slot, _tokens = entries[index]
+        per_slot[slot] = per_slot.get(slot, 0) + 1
+        stream.append((slot, 32 * per_slot[slot]))  # each slot's chunks keep their order
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, len(stream) - 1)), max_size=5)))
+    messages = tuple(tuple(stream[a:b]) for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True) if a < b)
+    live = [slot for slot in slots if slot not in aborted]
+    needs = {slot: 32 * chunks[slot] - draw(st.sampled_from([0, 0, 16])) for slot in live}
+    registrations = tuple(Request(slot, f"r{slot}", needs[slot]) for slot in draw(st.permutations(live)))
+    return Workload(messages, registrations)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads(), nranks=st.integers(2, 4), crashes=st.integers(0, 1), data=st.data())
+def test_the_implementation_on_random_walks_of_larger_groups(
+    workload: Workload, nranks: int, crashes: int, data: st.DataObject
+) -> None:
+    """Every step checked as ``explore`` checks it; at the end every rank queued every request."""
+    rule = Implemented(crashes=crashes)
+    state = rule.initial(workload, nranks)
+    steps: list[str] = []
+    for _ in range(2_000):
+        broken = check_state(workload, rule.queues(state)) or state.broken
+        assert broken is None, (broken, steps)
+        moves = list(rule.moves(workload, state))
+        if not moves:
+            break
+        label, state = moves[data.draw(st.integers(0, len(moves) - 1), label="move")]
+        steps.append(label)
+    else:
+        raise AssertionError(f"no end after 2000 moves: {steps[-20:]}")
+    assert check_final(workload, rule.queues(state)) is None, steps
