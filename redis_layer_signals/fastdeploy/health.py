@@ -28,6 +28,11 @@ OPERATIONS = ("on_kv_signal", "on_cache_task", "on_task_finished")
 """The three hooks, as the ``operation`` label spells them."""
 WAIT_BUCKETS_S = (0.001, 0.005, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 """Bounds of the wait histograms, in seconds: a task's usual lag (ms) up to the pending TTL."""
+GROUP_EVENTS = ("generation", "restart", "reset", "refused", "duplicate", "nranks", "absent", "bug")
+"""The group's recoveries and refusals every bridge exports from its first scrape on, 0 until
+they happen: ``increase`` over a series that appears at 1 is 0, so an alert would miss the first."""
+GROUP_OUTCOMES = ("released", "lost", "abandoned", "expired")
+"""The group's outcomes every bridge exports from its first scrape on (see ``GROUP_EVENTS``)."""
 
 
 class WaitHistogram:
@@ -226,9 +231,9 @@ class _BridgeCollector(TrackedCollector[Tracked]):
             reported.add_metric(labels, health.group_reported)
             generation.add_metric(labels, health.group_generation)
             problem.add_metric(labels, int(bool(health.group_problem)))
-            for event, n in health.group_events.items():
+            for event, n in {**dict.fromkeys(GROUP_EVENTS, 0), **health.group_events}.items():
                 events.add_metric([*labels, event], n)
-            for outcome, n in health.group_outcomes.items():
+            for outcome, n in {**dict.fromkeys(GROUP_OUTCOMES, 0), **health.group_outcomes}.items():
                 outcomes.add_metric([*labels, outcome], n)
             for family, (counts, count, total) in ((early, health.early_wait), (group_wait, health.group_wait)):
                 cumulative, buckets = 0, []
