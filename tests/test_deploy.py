@@ -200,4 +200,9 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
         "RlsServerMayEvict",
         "RlsServerEvictedKeys",
         "RlsCountersMismatch",
+        "RlsGroupCannotAgree",
+        "RlsGroupRankRestarted",
+        "RlsGroupSequencerTakenOver",
+        "RlsGroupEntriesDropped",
+        "RlsGroupSlowRelease",
     } <= fired
