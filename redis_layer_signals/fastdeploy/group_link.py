@@ -168,9 +168,9 @@ class GroupState:
     """Why the group cannot agree, while it cannot (a duplicate rank, an nranks mismatch, a
     rank that does not join): the ERROR line's text."""
     events: collections.Counter[str] = field(default_factory=collections.Counter)
-    """``generation`` (a new sequencer), ``restart`` (a rank restarted), ``reset`` (caught up
-    past what a join carries), ``refused`` (a join refused), ``duplicate``, ``nranks``,
-    ``absent`` (a live rank that did not join in time)."""
+    """``generation`` (this rank's sequencer was gone and this process took over), ``restart``
+    (a rank restarted), ``reset`` (caught up past what a join carries), ``refused`` (a join
+    refused), ``duplicate``, ``nranks``, ``absent`` (a rank that did not join in time)."""
 
 
 class GroupLink:
@@ -448,7 +448,8 @@ class GroupLink:
         self._drop_line()  # a line to the last sequencer: this process joins its own
         with self.ctx.lock:
             self.state.sequencer = True
-            self.state.events["generation"] += 1
+            if self.state.generation:  # a takeover: this rank had joined another sequencer
+                self.state.events["generation"] += 1
         if self.state.generation:  # this rank had joined another: its sequencer is gone
             self.ctx.logger.warning(
                 "%s/%d: this process now sequences the tensor-parallel group %d (generation %d): the last "
@@ -646,7 +647,7 @@ class GroupLink:
         The sequencer tells every member, so that every rank's health shows it."""
         with self.ctx.lock:
             self.state.problem = text
-            if kind not in self._said:
+            if kind not in self._said and not kind.startswith("group-"):  # relayed: counted there
                 self.state.events[kind] += 1
         if self._sequencer is not None and kind not in self._said:
             self._lead_out(self._sequencer.broadcast({"t": "problem", "kind": kind, "text": text}))
