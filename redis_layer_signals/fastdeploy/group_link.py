@@ -266,6 +266,8 @@ class GroupLink:
         if self._dir is None:
             self._dir = group_dir(self.namespace, self.ctx.instance)
         if self._rank_fd is None and not self._claim_rank():
+            with self.ctx.lock:
+                self._forget_reports()  # a join carries them, once this process holds the rank
             self.ctx.closed.wait(CHECK_S)
             return
         if self._line is None:
@@ -331,6 +333,7 @@ class GroupLink:
         join = {"rank": self.rank, "nranks": self.nranks, "pid": os.getpid(), "host": socket.gethostname()}
         with self.ctx.lock:
             join.update(self.member.joining(self.token))
+            self._forget_reports()  # the join carries every report made so far
         self._line.send(join)
         with self.ctx.lock:
             self.state.connected = True
@@ -351,15 +354,9 @@ class GroupLink:
             with self.ctx.lock:
                 progress = self.member.hear(message)
                 if message.get("t") == "welcome" and self.member.generation == message.get("g"):
-                    self._joined = True
+                    self._joined = True  # what was reported since the join goes out now
                     self.state.generation = self.member.generation
-                    # What was reported since the join was sent went nowhere: say it all again.
-                    kept = [m for m in self._outbox if m["t"] == "lost"]
-                    self._outbox.clear()
-                    self._outbox.extend(kept)
                     self._resolved("refused")
-                    if self.member.reported:
-                        self._outbox.append({"t": "ready", "keys": list(self.member.reported)})
                     if message.get("skip"):
                         self.state.events["restart"] += 1
                 self.settle(progress)
@@ -393,15 +390,19 @@ class GroupLink:
             )
             self._drop_line()
 
+    def _forget_reports(self) -> None:
+        """Under the lock: the reports waiting to be sent are in the member's, which a join
+        carries; lost keys wait for the sequencer."""
+        kept = [m for m in self._outbox if m["t"] == "lost"]
+        self._outbox.clear()
+        self._outbox.extend(kept)
+
     def _send_posted(self) -> None:
+        """Send what the hooks posted, once the sequencer welcomed this connection. Until then
+        they wait (a report made before the join went with it): each report reaches a
+        sequencer once, so none is counted again after its key was released."""
         with self.ctx.lock:
-            if not self._outbox:
-                return
-            if self._line is None or not self._joined:
-                # Reports are in the member's: its next join carries them. Lost keys wait.
-                kept = [m for m in self._outbox if m["t"] == "lost"]
-                self._outbox.clear()
-                self._outbox.extend(kept)
+            if not self._outbox or self._line is None or not self._joined:
                 return
             messages = list(self._outbox)
             self._outbox.clear()
