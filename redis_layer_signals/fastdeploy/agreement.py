@@ -323,8 +323,10 @@ class Sequencer:
             out.append((member, self._welcome(None)))
         elif fresh:
             out += self._fresh(member, restarted)
-        elif not self._catch_up(member, queued, tail, out):
-            return [(member, {"t": "reset", "g": self.generation})]
+        else:  # welcomed first: a member that has not joined this generation ignores its releases
+            out.append((member, self._welcome(None)))
+            if not self._catch_up(member, queued, tail, out):
+                return [(member, {"t": "reset", "g": self.generation})]
         out += self._count(member, reported, now_ms)
         return out if self.gathering else out + self._release()
 
