@@ -174,13 +174,17 @@ class Member:
 
     def hear(self, message: Message) -> Progress:
         """A message of the sequencer (``welcome``, ``release``, ``abandon``, ``restarted``,
-        ``reset``). One of another generation than the one joined changes nothing."""
+        ``reset``). One of another generation than the one joined changes nothing, except a
+        ``reset``: the answer to this member's join, which a sequencer sends before it welcomed
+        the member into its generation."""
         kind = message["t"]
         if kind == "welcome":
             self.generation, self.fresh = message["g"], False
             if message.get("skip") is not None:  # a restarted rank: the order so far is not its
                 self.queued = message["skip"]
             return Progress()
+        if kind == "reset":
+            return self.reset()
         if message.get("g") != self.generation:
             return Progress()
         if kind == "release":
@@ -189,8 +193,6 @@ class Member:
             return self._drop([_key(k) for k in message["keys"]], "abandoned")
         if kind == "restarted":
             return self._restarted()
-        if kind == "reset":
-            return self.reset()
         return Progress()
 
     def reset(self) -> Progress:
