@@ -311,6 +311,10 @@ class Sequencer:
         """Entries released in the group's order so far."""
         self.tail: collections.deque[Key] = collections.deque(maxlen=HISTORY_KEPT)
         self.abandoned: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self.veterans = False
+        """A member joined with its history of an earlier generation: the group ran before
+        this one, so a process that joins fresh now came after it (a restart), even where no
+        entry was released yet and this sequencer never saw the rank's last process."""
 
     def join(self, member: int, message: Message, now_ms: int) -> Out:
         """A member joins this generation (its first message on a connection)."""
@@ -319,6 +323,7 @@ class Sequencer:
         reported = [_key(k) for k in message["reported"]]
         restarted = fresh and self.tokens.get(member, message["token"]) != message["token"]
         self.tokens[member] = message["token"]
+        self.veterans = self.veterans or not fresh
         out: Out = []
         if self.gathering:
             self.joined[member] = Joined(queued, tail, fresh)
@@ -374,11 +379,12 @@ class Sequencer:
 
     def _fresh(self, member: int, restarted: bool) -> Out:
         """A process that never joined: it starts at the order so far. Where the group released
-        something already, or the rank spoke with another process before, the rank restarted:
-        the requests in flight are lost to it, and every member is told."""
+        something already, ran under an earlier generation, or the rank spoke with another
+        process before, the rank restarted: the requests in flight are lost to it, and every
+        member is told."""
         self.joined[member] = Joined(self.order, [])
         out: Out = [(member, self._welcome(self.order))]
-        if restarted or self.order:
+        if restarted or self.order or self.veterans:
             out += self._broadcast({"t": "restarted", "g": self.generation, "rank": member})
         return out
 
