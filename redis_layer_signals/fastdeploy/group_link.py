@@ -351,17 +351,20 @@ class GroupLink:
                 self._drop_line()
                 self.ctx.closed.wait(CHECK_S)
                 return
+            welcomed = False
             with self.ctx.lock:
                 progress = self.member.hear(message)
                 if message.get("t") == "welcome" and self.member.generation == message.get("g"):
-                    self._joined = True  # what was reported since the join goes out now
+                    welcomed = True
                     self.state.generation = self.member.generation
-                    self._resolved("refused")
+                    self._joined = True  # what was reported since the join goes out now
                     if message.get("skip"):
                         self.state.events["restart"] += 1
                 self.settle(progress)
                 if progress.lost:
                     self._outbox.append({"t": "lost", "keys": progress.lost})
+            if welcomed:  # outside the lock, which ``_resolved`` takes (it is not reentrant)
+                self._resolved("refused")
             self._said_event(message, progress)
 
     def _said_event(self, message: Message, progress: Progress) -> None:
