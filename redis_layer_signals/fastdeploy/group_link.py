@@ -164,13 +164,19 @@ class GroupState:
     generation: int = 0
     sequencer: bool = False
     connected: bool = False
-    problem: str = ""
-    """Why the group cannot agree, while it cannot (a duplicate rank, an nranks mismatch, a
-    rank that does not join): the ERROR line's text."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """Why the group cannot agree, by kind, while it cannot (a duplicate rank, an nranks
+    mismatch, a rank that does not join, the loop failing): each the ERROR line's text. Each
+    kind ends on its own: one resolved leaves the others said."""
     events: collections.Counter[str] = field(default_factory=collections.Counter)
     """``generation`` (a new sequencer), ``restart`` (a rank restarted), ``reset`` (caught up
     past what a join carries), ``refused`` (a join refused), ``duplicate``, ``nranks``,
-    ``absent`` (a live rank that did not join in time)."""
+    ``absent`` (a live rank that did not join in time), ``bug`` (the loop failed)."""
+
+    @property
+    def problem(self) -> str:
+        """Every problem said and not resolved, in the order they came."""
+        return "; ".join(self.problems.values())
 
 
 class GroupLink:
@@ -245,10 +251,11 @@ class GroupLink:
             while not self.ctx.closed.is_set():
                 try:
                     self._step()
-                except Exception as exc:  # a bug or an unexpected OS error: said, then again
+                    self._resolved("bug")
+                except Exception as exc:  # a bug, an unexpected OS error, a refused directory
                     with self.ctx.lock:
                         self.ctx.errors["group"] += 1
-                    self._say("bug", f"the group's loop failed ({type(exc).__name__}: {exc}); trying again", error=True)
+                    self._problem("bug", f"the group's loop failed ({type(exc).__name__}: {exc}); trying again")
                     self._drop_line()
                     self._stop_leading()
                     self.ctx.closed.wait(CHECK_S)
@@ -275,7 +282,6 @@ class GroupLink:
                 self._try_lead()
             self._connect()
         if self._sequencer is not None and self._sequencer.gathering and self._gathered(now):
-            self._resolved("absent")
             self._lead_out(self._sequencer.resume())
         if now >= self._next_check:
             self._next_check = now + CHECK_S
@@ -477,6 +483,7 @@ class GroupLink:
         self._sequencer = None
         with self.ctx.lock:
             self.state.sequencer = False
+        self._resolved("absent")  # a sequencer's view: the next one says it again if it holds
 
     def _live(self) -> set[int]:
         """The group's ranks whose process holds its rank lock."""
@@ -487,18 +494,24 @@ class GroupLink:
             if r == self.rank or _held(self._dir / f"rank-{r}.lock")
         }
 
+    def _missing(self) -> set[int]:
+        """The live ranks that have not joined this process's sequencer."""
+        assert self._sequencer is not None
+        return self._live() - {self.first + m for m in self._sequencer.joined}
+
     def _gathered(self, now: float) -> bool:
         assert self._sequencer is not None
-        joined = {self.first + m for m in self._sequencer.joined}
-        missing = self._live() - joined
+        missing = self._missing()
         if not missing:
+            self._resolved("absent")
             return True
         if now < self._gather_until:
             return False
         self._problem(
             "absent",
             f"ranks {sorted(missing)} are alive but did not join the group's generation "
-            f"{self._sequencer.generation} within {JOIN_WAIT_S:g}s: going on without them",
+            f"{self._sequencer.generation} within {JOIN_WAIT_S:g}s: going on without them "
+            "(said until they join)",
         )
         return True
 
@@ -589,6 +602,8 @@ class GroupLink:
                 self.settle(progress)
         if self._sequencer is not None and not self._sequencer.gathering:
             self._lead_out(self._sequencer.expire(self.ctx.mono_ms()))
+            if "absent" in self.state.problems and not self._missing():
+                self._resolved("absent")
         assert self._dir is not None
         differ = []
         for path in sorted(self._dir.glob("rank-*.lock")):
@@ -609,16 +624,18 @@ class GroupLink:
     def _problem(self, kind: str, text: str, error: bool = True) -> None:
         """Say why the group cannot agree: once per kind until it is resolved; health shows it."""
         with self.ctx.lock:
-            self.state.problem = text
+            self.state.problems[kind] = text
             if kind not in self._said:
                 self.state.events[kind] += 1
         self._say(kind, text, error)
 
     def _resolved(self, kind: str) -> None:
+        """The problem of ``kind`` is over (the others stay): said once, at WARNING."""
+        if kind in self.state.problems:
+            with self.ctx.lock:
+                self.state.problems.pop(kind, None)
         if kind in self._said:
             self._said.discard(kind)
-            with self.ctx.lock:
-                self.state.problem = ""
             self.ctx.logger.warning(
                 "%s/%d: the tensor-parallel group: resolved (%s)", self.ctx.instance, self.rank, kind
             )
