@@ -50,6 +50,10 @@ JOIN_WAIT_S = 2.0
 ones missing (logged): they are caught up when they join."""
 CHECK_S = 1.0
 """How often the loop checks its peers' settings and expires what waited too long."""
+CLAIM_TRIES, CLAIM_RETRY_S = 10, 0.02
+"""A rank's lock is held by another process only if it stays held this many tries, this far
+apart: a sequencer that checks which ranks are alive (``_held``) holds each lock for an instant,
+and a process starting then is no duplicate."""
 MAX_LINE = 1 << 24
 """A peer that sends a longer line is cut off: nothing of ours is that long."""
 
@@ -309,6 +313,12 @@ class GroupLink:
         assert self._dir is not None
         path = self._dir / f"rank-{self.rank}.lock"
         fd = _lock(path)
+        for _try in range(CLAIM_TRIES - 1):
+            if fd is not None:
+                break
+            if self.ctx.closed.wait(CLAIM_RETRY_S):
+                return False
+            fd = _lock(path)
         if fd is None:
             holder = _read_json(path)
             self._problem(
