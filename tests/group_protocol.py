@@ -533,8 +533,8 @@ def _put(items: tuple[T, ...], index: int, item: T) -> tuple[T, ...]:
 class Implemented:
     """The group's real code (``redis_layer_signals.fastdeploy.agreement``: ``Member`` and
     ``Sequencer``) run as a rule: every move calls the classes the bridge runs, and the channels
-    between them behave as ``group_link``'s (one FIFO line per rank; a rank's reports before the
-    sequencer's welcome go with its join, and once welcomed it says everything it holds again).
+    between them behave as ``group_link``'s (one FIFO line per rank; a join carries every report
+    made before it, the reports made after it wait until the welcome and then go, once).
 
     ``crashes``: the sequencer may die that many times, anywhere (a new generation gathers every
     rank's join). ``restarts``: a rank's process may restart that many times, anywhere: the new
@@ -562,13 +562,14 @@ class Implemented:
             up=((),) * nranks,
             down=((),) * nranks,
             queues=((),) * nranks,
+            outbox=((),) * nranks,
             crashes_left=self.crashes,
             restarts_left=self.restarts,
         )
         # The group starts joined: every rank's join heard, the sequencer resumed, every
         # welcome heard (a join is explored where it matters: after a sequencer's crash).
         for r in range(nranks):
-            state = state.send(r, json_join(state, r)).sequencer_hears(r)
+            state = state.joining(r).sequencer_hears(r)
         state = state.deliver(state.sequencer.resume())
         for r in range(nranks):
             while state.down[r]:
@@ -623,9 +624,8 @@ class Implemented:
             following.sequencer = Sequencer(nranks, state.sequencer.generation + 1, NO_TIMER_MS)
             following.crashes_left -= 1
             following.up, following.down = ((),) * nranks, ((),) * nranks
-            following.welcomed = (False,) * nranks
             for m in range(nranks):
-                following = following.send(m, json_join(following, m))
+                following = following.joining(m)
             yield "sequencer dies: its state and every message in flight are lost", following
 
 
@@ -672,6 +672,8 @@ class ImplState:
     up: tuple[tuple[str, ...], ...]
     down: tuple[tuple[str, ...], ...]
     queues: tuple[tuple[Batch, ...], ...]
+    outbox: tuple[tuple[str, ...], ...]
+    """Per rank, what its hooks posted that waits for the sequencer's welcome."""
     crashes_left: int
     restarts_left: int
     broken: str | None = None
@@ -697,6 +699,7 @@ class ImplState:
             self.up,
             self.down,
             self.queues,
+            self.outbox,
             self.crashes_left,
             self.restarts_left,
             self.heard_at,
@@ -720,16 +723,27 @@ class ImplState:
         return replace(self, up=_put(self.up, r, (*self.up[r], line)))
 
     def posted(self, r: int, progress: Any) -> ImplState:
-        """What ``GroupLink.post`` does with a hook's progress: sent once welcomed, else held."""
-        state = self
-        if not self.welcomed[r]:
-            return state
-        generation = self.members[r].generation
+        """What ``GroupLink.post`` does with a hook's progress: sent once welcomed, else held
+        in the outbox until the welcome."""
+        posted = []
         if progress.report:
-            state = state.send(r, _line({"t": "ready", "g": generation, "keys": progress.report}))
+            posted.append(_line({"t": "ready", "keys": progress.report}))
         if progress.lost:
-            state = state.send(r, _line({"t": "lost", "g": generation, "keys": progress.lost}))
-        return state
+            posted.append(_line({"t": "lost", "keys": progress.lost}))
+        state = replace(self, outbox=_put(self.outbox, r, (*self.outbox[r], *posted)))
+        return state.flushed(r) if self.welcomed[r] else state
+
+    def flushed(self, r: int) -> ImplState:
+        """The outbox goes out, stamped with the generation joined (``_send_posted``)."""
+        generation = self.members[r].generation
+        lines = tuple(_line({**json.loads(line), "g": generation}) for line in self.outbox[r])
+        return replace(self, up=_put(self.up, r, (*self.up[r], *lines)), outbox=_put(self.outbox, r, ()))
+
+    def joining(self, r: int) -> ImplState:
+        """A new line's join: it carries every report so far; the outbox keeps only lost keys."""
+        kept = tuple(line for line in self.outbox[r] if json.loads(line)["t"] == "lost")
+        state = replace(self, outbox=_put(self.outbox, r, kept), welcomed=_put(self.welcomed, r, False))
+        return state.send(r, json_join(state, r))
 
     def deliver(self, out: list[tuple[int, dict[str, Any]]]) -> ImplState:
         down = list(self.down)
@@ -759,12 +773,11 @@ class ImplState:
                 skipped = list(state.sequencer.tail)[: message["skip"]]
                 positions = _positions(workload)
                 state = replace(state, queues=_put(state.queues, r, tuple((positions[k],) for k in skipped)))
-            if member.reported:
-                state = state.send(r, _line({"t": "ready", "g": member.generation, "keys": list(member.reported)}))
+            state = state.flushed(r)
         if message["t"] == "restarted":
             state = state.heard(r)
         if message["t"] == "reset":
-            state = replace(state, welcomed=_put(state.welcomed, r, False)).send(r, json_join(state, r))
+            state = state.joining(r)
         positions = _positions(workload)
         queued = tuple((positions[entry.key],) for entry in progress.released)
         for entry in progress.released:
@@ -790,13 +803,13 @@ class ImplState:
             self,
             members=_put(self.members, r, _new_member()),
             tokens=_put(self.tokens, r, self.tokens[r] + "'"),
-            welcomed=_put(self.welcomed, r, False),
             up=_put(self.up, r, ()),
             down=_put(self.down, r, ()),
+            outbox=_put(self.outbox, r, ()),
             restarts_left=self.restarts_left - 1,
             heard_at=(None,) * nranks,
         )
-        return state.send(r, json_join(state, r))
+        return state.joining(r)
 
 
 def _member_print(member: Any) -> tuple[Any, ...]:

@@ -178,13 +178,17 @@ class Member:
 
     def hear(self, message: Message) -> Progress:
         """A message of the sequencer (``welcome``, ``release``, ``abandon``, ``restarted``,
-        ``reset``). One of another generation than the one joined changes nothing."""
+        ``reset``). One of another generation than the one joined changes nothing, except a
+        ``reset``: the answer to this member's join, which a sequencer sends before it welcomed
+        the member into its generation."""
         kind = message["t"]
         if kind == "welcome":
             self.generation, self.fresh = message["g"], False
             if message.get("skip") is not None:  # a restarted rank: the order so far is not its
                 self.queued = message["skip"]
             return Progress()
+        if kind == "reset":
+            return self.reset()
         if message.get("g") != self.generation:
             return Progress()
         if kind == "release":
@@ -193,8 +197,6 @@ class Member:
             return self._drop([_key(k) for k in message["keys"]], "abandoned")
         if kind == "restarted":
             return self._restarted()
-        if kind == "reset":
-            return self.reset()
         return Progress()
 
     def reset(self) -> Progress:
@@ -315,6 +317,10 @@ class Sequencer:
         """The last keys of the order (what a join may lack), and the ones a repeated report
         may name: a member says what it holds again when it is welcomed."""
         self.abandoned: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self.veterans = False
+        """A member joined with its history of an earlier generation: the group ran before
+        this one, so a process that joins fresh now came after it (a restart), even where no
+        entry was released yet and this sequencer never saw the rank's last process."""
 
     def join(self, member: int, message: Message, now_ms: int) -> Out:
         """A member joins this generation (its first message on a connection)."""
@@ -323,14 +329,17 @@ class Sequencer:
         reported = [_key(k) for k in message["reported"]]
         restarted = fresh and self.tokens.get(member, message["token"]) != message["token"]
         self.tokens[member] = message["token"]
+        self.veterans = self.veterans or not fresh
         out: Out = []
         if self.gathering:
             self.joined[member] = Joined(queued, tail, fresh)
             out.append((member, self._welcome(None)))
         elif fresh:
             out += self._fresh(member, restarted)
-        elif not self._catch_up(member, queued, tail, out):
-            return [(member, {"t": "reset", "g": self.generation})]
+        else:  # welcomed first: a member that has not joined this generation ignores its releases
+            out.append((member, self._welcome(None)))
+            if not self._catch_up(member, queued, tail, out):
+                return [(member, {"t": "reset", "g": self.generation})]
         out += self._count(member, reported, now_ms)
         return out if self.gathering else out + self._release()
 
@@ -381,12 +390,13 @@ class Sequencer:
 
     def _fresh(self, member: int, restarted: bool) -> Out:
         """A process that never joined: it starts at the order so far. Where the group released
-        something already, or the rank spoke with another process before, the rank restarted:
-        the requests in flight are lost to it, and every member is told."""
+        something already, ran under an earlier generation, or the rank spoke with another
+        process before, the rank restarted: the requests in flight are lost to it, and every
+        member is told."""
         self.joined[member] = Joined(self.order, [])
         self._forget(member)  # what its last process reported died with it
         out: Out = [(member, self._welcome(self.order))]
-        if restarted or self.order:
+        if restarted or self.order or self.veterans:
             out += self._broadcast({"t": "restarted", "g": self.generation, "rank": member})
         return out
 

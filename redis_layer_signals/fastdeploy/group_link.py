@@ -50,6 +50,10 @@ JOIN_WAIT_S = 2.0
 ones missing (logged): they are caught up when they join."""
 CHECK_S = 1.0
 """How often the loop checks its peers' settings and expires what waited too long."""
+CLAIM_TRIES, CLAIM_RETRY_S = 10, 0.02
+"""A rank's lock is held by another process only if it stays held this many tries, this far
+apart: a sequencer that checks which ranks are alive (``_held``) holds each lock for an instant,
+and a process starting then is no duplicate."""
 MAX_LINE = 1 << 24
 """A peer that sends a longer line is cut off: nothing of ours is that long."""
 
@@ -164,13 +168,20 @@ class GroupState:
     generation: int = 0
     sequencer: bool = False
     connected: bool = False
-    problem: str = ""
-    """Why the group cannot agree, while it cannot (a duplicate rank, an nranks mismatch, a
-    rank that does not join): the ERROR line's text."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """Why the group cannot agree, by kind, while it cannot (a duplicate rank, an nranks
+    mismatch, a rank that does not join, the loop failing): each the ERROR line's text. Each
+    kind ends on its own: one resolved leaves the others said."""
     events: collections.Counter[str] = field(default_factory=collections.Counter)
     """``generation`` (this rank's sequencer was gone and this process took over), ``restart``
     (a rank restarted), ``reset`` (caught up past what a join carries), ``refused`` (a join
-    refused), ``duplicate``, ``nranks``, ``absent`` (a rank that did not join in time)."""
+    refused), ``duplicate``, ``nranks``, ``absent`` (a rank that did not join in time), ``bug``
+    (the loop failed)."""
+
+    @property
+    def problem(self) -> str:
+        """Every problem said and not resolved, in the order they came."""
+        return "; ".join(self.problems.values())
 
 
 class GroupLink:
@@ -247,10 +258,11 @@ class GroupLink:
             while not self.ctx.closed.is_set():
                 try:
                     self._step()
-                except Exception as exc:  # a bug or an unexpected OS error: said, then again
+                    self._resolved("bug")
+                except Exception as exc:  # a bug, an unexpected OS error, a refused directory
                     with self.ctx.lock:
                         self.ctx.errors["group"] += 1
-                    self._say("bug", f"the group's loop failed ({type(exc).__name__}: {exc}); trying again", error=True)
+                    self._problem("bug", f"the group's loop failed ({type(exc).__name__}: {exc}); trying again")
                     self._drop_line()
                     self._stop_leading()
                     self.ctx.closed.wait(CHECK_S)
@@ -268,6 +280,8 @@ class GroupLink:
         if self._dir is None:
             self._dir = group_dir(self.namespace, self.ctx.instance)
         if self._rank_fd is None and not self._claim_rank():
+            with self.ctx.lock:
+                self._forget_reports()  # a join carries them, once this process holds the rank
             self.ctx.closed.wait(CHECK_S)
             return
         if self._line is None:
@@ -275,7 +289,6 @@ class GroupLink:
                 self._try_lead()
             self._connect()
         if self._sequencer is not None and self._sequencer.gathering and self._gathered(now):
-            self._resolved("absent")
             self._lead_out(self._sequencer.resume())
         if now >= self._next_check:
             self._next_check = now + CHECK_S
@@ -303,6 +316,12 @@ class GroupLink:
         assert self._dir is not None
         path = self._dir / f"rank-{self.rank}.lock"
         fd = _lock(path)
+        for _try in range(CLAIM_TRIES - 1):
+            if fd is not None:
+                break
+            if self.ctx.closed.wait(CLAIM_RETRY_S):
+                return False
+            fd = _lock(path)
         if fd is None:
             holder = _read_json(path)
             self._problem(
@@ -333,6 +352,7 @@ class GroupLink:
         join = {"rank": self.rank, "nranks": self.nranks, "pid": os.getpid(), "host": socket.gethostname()}
         with self.ctx.lock:
             join.update(self.member.joining(self.token))
+            self._forget_reports()  # the join carries every report made so far
         self._line.send(join)
         with self.ctx.lock:
             self.state.connected = True
@@ -354,23 +374,20 @@ class GroupLink:
                 self._drop_line()
                 self.ctx.closed.wait(CHECK_S)
                 return
+            welcomed = False
             with self.ctx.lock:
                 progress = self.member.hear(message)
                 if message.get("t") == "welcome" and self.member.generation == message.get("g"):
-                    self._joined = True
+                    welcomed = True
                     self.state.generation = self.member.generation
-                    # What was reported since the join was sent went nowhere: say it all again.
-                    kept = [m for m in self._outbox if m["t"] == "lost"]
-                    self._outbox.clear()
-                    self._outbox.extend(kept)
-                    self._resolved("refused")
-                    if self.member.reported:
-                        self._outbox.append({"t": "ready", "keys": list(self.member.reported)})
+                    self._joined = True  # what was reported since the join goes out now
                     if message.get("skip"):
                         self.state.events["restart"] += 1
                 self.settle(progress)
                 if progress.lost:
                     self._outbox.append({"t": "lost", "keys": progress.lost})
+            if welcomed:  # outside the lock, which ``_resolved`` takes (it is not reentrant)
+                self._resolved("refused")
             self._said_event(message, progress)
 
     def _said_event(self, message: Message, progress: Progress) -> None:
@@ -399,15 +416,19 @@ class GroupLink:
             )
             self._drop_line()
 
+    def _forget_reports(self) -> None:
+        """Under the lock: the reports waiting to be sent are in the member's, which a join
+        carries; lost keys wait for the sequencer."""
+        kept = [m for m in self._outbox if m["t"] == "lost"]
+        self._outbox.clear()
+        self._outbox.extend(kept)
+
     def _send_posted(self) -> None:
+        """Send what the hooks posted, once the sequencer welcomed this connection. Until then
+        they wait (a report made before the join went with it): each report reaches a
+        sequencer once, so none is counted again after its key was released."""
         with self.ctx.lock:
-            if not self._outbox:
-                return
-            if self._line is None or not self._joined:
-                # Reports are in the member's: its next join carries them. Lost keys wait.
-                kept = [m for m in self._outbox if m["t"] == "lost"]
-                self._outbox.clear()
-                self._outbox.extend(kept)
+            if not self._outbox or self._line is None or not self._joined:
                 return
             messages = list(self._outbox)
             self._outbox.clear()
@@ -480,6 +501,7 @@ class GroupLink:
         self._sequencer = None
         with self.ctx.lock:
             self.state.sequencer = False
+        self._resolved("absent")  # a sequencer's view: the next one says it again if it holds
 
     def _live(self) -> set[int]:
         """The group's ranks whose process holds its rank lock."""
@@ -490,11 +512,16 @@ class GroupLink:
             if r == self.rank or _held(self._dir / f"rank-{r}.lock")
         }
 
+    def _missing(self) -> set[int]:
+        """The live ranks that have not joined this process's sequencer."""
+        assert self._sequencer is not None
+        return self._live() - {self.first + m for m in self._sequencer.joined}
+
     def _gathered(self, now: float) -> bool:
         assert self._sequencer is not None
-        joined = {self.first + m for m in self._sequencer.joined}
-        missing = self._live() - joined
+        missing = self._missing()
         if not missing:
+            self._resolved("absent")
             return True
         return now >= self._gather_until  # the missing ones are named by ``_absent``
 
@@ -646,7 +673,7 @@ class GroupLink:
         """Say why the group cannot agree: once per kind until it is resolved; health shows it.
         The sequencer tells every member, so that every rank's health shows it."""
         with self.ctx.lock:
-            self.state.problem = text
+            self.state.problems[kind] = text
             if kind not in self._said and not kind.startswith("group-"):  # relayed: counted there
                 self.state.events[kind] += 1
         if self._sequencer is not None and kind not in self._said:
@@ -654,10 +681,12 @@ class GroupLink:
         self._say(kind, text, error)
 
     def _resolved(self, kind: str) -> None:
+        """The problem of ``kind`` is over (the others stay): said once, at WARNING."""
+        if kind in self.state.problems:
+            with self.ctx.lock:
+                self.state.problems.pop(kind, None)
         if kind in self._said:
             self._said.discard(kind)
-            with self.ctx.lock:
-                self.state.problem = ""
             if self._sequencer is not None:
                 self._lead_out(self._sequencer.broadcast({"t": "resolved", "kind": kind}))
             self.ctx.logger.warning(
