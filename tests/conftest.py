@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -17,6 +18,10 @@ from tests.servers import VALKEY, Done, RedisServer
 from tests.topology import AOF_ALWAYS, ClusterTopology, SentinelTopology
 
 _counter = itertools.count()
+
+os.environ.setdefault("RLS_GROUP_DIR", tempfile.mkdtemp(prefix="rls-groups-"))
+"""Tensor-parallel groups' sockets and locks (``group_link``) in a directory of this run's own
+(mode 0700), inherited by the processes tests start: nothing lands in the user's."""
 
 ALL_BACKENDS = ("fake", "real", "valkey", "cluster")
 BACKENDS_ENV = "RLS_TEST_BACKENDS"
