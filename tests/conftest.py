@@ -4,8 +4,10 @@ started by this session; every test gets its own namespace, so nothing is flushe
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,9 +21,12 @@ from tests.topology import AOF_ALWAYS, ClusterTopology, SentinelTopology
 
 _counter = itertools.count()
 
-os.environ.setdefault("RLS_GROUP_DIR", tempfile.mkdtemp(prefix="rls-groups-"))
+if "RLS_GROUP_DIR" not in os.environ:
+    os.environ["RLS_GROUP_DIR"] = tempfile.mkdtemp(prefix="rls-groups-")
+    atexit.register(shutil.rmtree, os.environ["RLS_GROUP_DIR"], ignore_errors=True)
 """Tensor-parallel groups' sockets and locks (``group_link``) in a directory of this run's own
-(mode 0700), inherited by the processes tests start: nothing lands in the user's."""
+(mode 0700), inherited by the processes tests start, removed at the end: nothing lands in the
+user's."""
 
 ALL_BACKENDS = ("fake", "real", "valkey", "cluster")
 BACKENDS_ENV = "RLS_TEST_BACKENDS"
