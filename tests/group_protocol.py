@@ -542,9 +542,10 @@ class Implemented:
     registered on every rank after every rank heard of the restart (the others were in flight:
     they may be dropped, but by every rank or by none)."""
 
-    def __init__(self, crashes: int = 0, restarts: int = 0) -> None:
-        self.crashes, self.restarts = crashes, restarts
+    def __init__(self, crashes: int = 0, restarts: int = 0, forming: bool = False) -> None:
+        self.crashes, self.restarts, self.forming = crashes, restarts, forming
         extra = [f"{crashes} sequencer restart(s)"] if crashes else []
+        extra += ["the group forming: every join and welcome a move"] if forming else []
         extra += [f"{restarts} rank restart(s)"] if restarts else []
         self.name = "the implementation (agreement.Member, agreement.Sequencer)" + (
             f" ({', '.join(extra)})" if extra else ""
@@ -566,10 +567,14 @@ class Implemented:
             crashes_left=self.crashes,
             restarts_left=self.restarts,
         )
-        # The group starts joined: every rank's join heard, the sequencer resumed, every
+        for r in range(nranks):
+            state = state.joining(r)
+        if self.forming:  # the joins on their way, the sequencer gathering
+            return state
+        # Else the group starts joined: every rank's join heard, the sequencer resumed, every
         # welcome heard (a join is explored where it matters: after a sequencer's crash).
         for r in range(nranks):
-            state = state.joining(r).sequencer_hears(r)
+            state = state.sequencer_hears(r)
         state = state.deliver(state.sequencer.resume())
         for r in range(nranks):
             while state.down[r]:

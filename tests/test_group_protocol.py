@@ -7,6 +7,7 @@ agreement.Sequencer), through sequencer crashes and rank restarts."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -200,6 +201,14 @@ def test_the_implementation_holds_when_its_sequencer_dies_anywhere(name: str) ->
     assert verdict.violation is None, verdict.explain()
 
 
+@pytest.mark.parametrize("name", ["two_in_one_message", "aborted_first"])
+def test_the_implementation_holds_while_the_group_forms(name: str) -> None:
+    """Hooks called while the ranks' joins are on their way, the sequencer gathering them."""
+    verdict = explore(Implemented(forming=True), WORKLOADS[name], 2)
+    print(verdict.explain())
+    assert verdict.violation is None, verdict.explain()
+
+
 @pytest.mark.parametrize("name", ["two_chunks", "aborted_first"])
 def test_the_implementation_holds_when_a_rank_restarts_anywhere(name: str) -> None:
     """A restart loses the requests in flight (on every rank alike) and nothing after them."""
@@ -227,12 +236,25 @@ class _KeepsADeadProcesssReports(Sequencer):
         pass
 
 
+class _ForgetsTheFormingGroupsReports(Sequencer):
+    """A bug the check found: the reports a forming group's joins carried were forgotten as if
+    their processes had restarted, so the first entries were never released."""
+
+    def _fresh(self, member: int, restarted: bool) -> Out:
+        self._forget(member)
+        return super()._fresh(member, restarted)
+
+
 @pytest.mark.parametrize(
     ("broken", "faults", "violation"),
-    [(_ReleasesOnAnyReport, {}, "registered"), (_KeepsADeadProcesssReports, {"restarts": 1}, "registered")],
+    [
+        (_ReleasesOnAnyReport, {}, "registered"),
+        (_KeepsADeadProcesssReports, {"restarts": 1}, "registered"),
+        (_ForgetsTheFormingGroupsReports, {"forming": True}, "served"),
+    ],
 )
 def test_the_check_catches_a_broken_sequencer(
-    broken: type[Sequencer], faults: dict[str, int], violation: str, monkeypatch: pytest.MonkeyPatch
+    broken: type[Sequencer], faults: dict[str, Any], violation: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import redis_layer_signals.fastdeploy.agreement as agreement
 

@@ -335,6 +335,7 @@ class Sequencer:
             self.joined[member] = Joined(queued, tail, fresh)
             out.append((member, self._welcome(None)))
         elif fresh:
+            self._forget(member)  # what its last process reported died with it
             out += self._fresh(member, restarted)
         else:  # welcomed first: a member that has not joined this generation ignores its releases
             out.append((member, self._welcome(None)))
@@ -394,7 +395,6 @@ class Sequencer:
         process before, the rank restarted: the requests in flight are lost to it, and every
         member is told."""
         self.joined[member] = Joined(self.order, [])
-        self._forget(member)  # what its last process reported died with it
         out: Out = [(member, self._welcome(self.order))]
         if restarted or self.order or self.veterans:
             out += self._broadcast({"t": "restarted", "g": self.generation, "rank": member})
