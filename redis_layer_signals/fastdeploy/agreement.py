@@ -314,8 +314,7 @@ class Sequencer:
         self.order = 0
         """Entries released in the group's order so far."""
         self.tail: collections.deque[Key] = collections.deque(maxlen=HISTORY_KEPT)
-        """The last keys of the order (what a join may lack), and the ones a repeated report
-        may name: a member says what it holds again when it is welcomed."""
+        """The last keys of the order: what a join may lack, and what its reports may name."""
         self.abandoned: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self.veterans = False
         """A member joined with its history of an earlier generation: the group ran before
@@ -341,7 +340,7 @@ class Sequencer:
             out.append((member, self._welcome(None)))
             if not self._catch_up(member, queued, tail, out):
                 return [(member, {"t": "reset", "g": self.generation})]
-        out += self._count(member, reported, now_ms)
+        out += self._count(member, reported, now_ms, joining=True)
         return out if self.gathering else out + self._release()
 
     def resume(self) -> Out:
@@ -404,10 +403,12 @@ class Sequencer:
         for reporters, _first_ms in self.ready.values():
             reporters.discard(member)
 
-    def _count(self, member: int, keys: list[Key], now_ms: int) -> Out:
-        """Count ``member``'s reports; a key given up already is given up on it at once."""
+    def _count(self, member: int, keys: list[Key], now_ms: int, joining: bool = False) -> Out:
+        """Count ``member``'s reports; a key given up already is given up on it at once. A
+        join's reports may name keys released while the member was away (its catch-up sends
+        them): those are not counted again."""
         given_up = []
-        released = set(self.tail) if keys else set()
+        released = set(self.tail) if joining and keys else set()
         for key in keys:
             if key in self.abandoned:
                 given_up.append(key)
