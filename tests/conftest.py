@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -18,6 +19,7 @@ import redis
 from redis_layer_signals import AsyncSignalBuffer, SignalBuffer
 from tests.servers import VALKEY, Done, RedisServer
 from tests.topology import AOF_ALWAYS, ClusterTopology, SentinelTopology
+from tests.tp_group import Group
 
 _counter = itertools.count()
 
@@ -146,3 +148,31 @@ def rls_here(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
         return Done(code if isinstance(code, int) else 1, captured.out, captured.err)
 
     return run
+
+
+# --- tensor-parallel groups (tests/tp_group.py) ----------------------------------------------
+
+
+@pytest.fixture
+def group_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The test's own group directory: no two tests share a socket or a lock."""
+    base = tmp_path / "groups"
+    monkeypatch.setenv("RLS_GROUP_DIR", str(base))
+    return base
+
+
+@pytest.fixture(params=["fake", "real"])
+def tp_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "fake":
+        return f"memory://{uuid.uuid4().hex}"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return server.url
+
+
+@pytest.fixture
+def groups() -> Iterator[list[Group]]:
+    """The groups a test starts, closed at its end."""
+    made: list[Group] = []
+    yield made
+    for group in made:
+        group.close()

@@ -8,9 +8,6 @@ Redis; the faults are in ``test_fastdeploy_tp_faults.py``."""
 from __future__ import annotations
 
 import queue
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,34 +16,13 @@ from redis_layer_signals import InvalidConfig, SignalBuffer
 from redis_layer_signals.fastdeploy import Layer0Bridge
 from redis_layer_signals.fastdeploy.health import BridgeMetrics
 from redis_layer_signals.fastdeploy.signals import encode_kv_signal
-from tests.servers import RedisServer, running, wait_until
+from tests.servers import running, wait_until
 from tests.tp_group import Group, cache_info, check_agreement, signal, workload
 
 Entry = tuple[int, int]
 
 
-@pytest.fixture(autouse=True)
-def group_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test's own group directory: no two tests share a socket or a lock."""
-    base = tmp_path / "groups"
-    monkeypatch.setenv("RLS_GROUP_DIR", str(base))
-    return base
-
-
-@pytest.fixture(params=["fake", "real"])
-def tp_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "fake":
-        return f"memory://{uuid.uuid4().hex}"
-    server: RedisServer = request.getfixturevalue("redis_server")
-    return server.url
-
-
-@pytest.fixture
-def groups() -> Iterator[list[Group]]:
-    made: list[Group] = []
-    yield made
-    for group in made:
-        group.close()
+pytestmark = pytest.mark.usefixtures("group_base")
 
 
 @pytest.mark.parametrize("nranks", [2, 4])

@@ -39,28 +39,7 @@ from tests.tp_group import Group, RankProcess, Workload, cache_info, check_agree
 NOBODY = 65534
 
 
-@pytest.fixture(autouse=True)
-def group_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test's own group directory: no two tests share a socket or a lock."""
-    base = tmp_path / "groups"
-    monkeypatch.setenv("RLS_GROUP_DIR", str(base))
-    return base
-
-
-@pytest.fixture(params=["fake", "real"])
-def tp_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "fake":
-        return f"memory://{uuid.uuid4().hex}"
-    server: RedisServer = request.getfixturevalue("redis_server")
-    return server.url
-
-
-@pytest.fixture
-def groups() -> Iterator[list[Group]]:
-    made: list[Group] = []
-    yield made
-    for group in made:
-        group.close()
+pytestmark = pytest.mark.usefixtures("group_base")
 
 
 @pytest.fixture
