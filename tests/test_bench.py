@@ -330,12 +330,15 @@ def test_hook_bench_at_tp_2_pools_every_ranks_calls_in_each_condition(tmp_path: 
                 assert figures["bridge"]["p50_us"] <= figures["bridge"]["p99_us"] <= figures["bridge"]["max_us"]
                 assert figures["p50_ratio"] > 0
             assert case["largest_us"] == max(h["bridge"]["max_us"] for h in case["hooks"].values())
+            assert case["group_fed"] == 2 * 2 * case["entries"] * 10  # ranks x chunks x entries x steps
+            assert 0 <= case["group_released"] <= case["group_fed"]
     assert result["redis_cost"]["requests"] == 2 * 8 * 20
     report = hooks.markdown(result)
     assert report.startswith("# The FastDeploy bridge's hooks against FastDeploy's dict, TP 2")
     assert "2 ranks of one tensor-parallel group (`nranks=2`)" in report
     assert report.count("| outage |") == 2 * len(hooks.HOOKS)
     assert "the worst hook per condition: healthy bridge p99 " in report and "over 2 ranks" in report
+    assert "The group's queue at each case's end" in report
 
 
 def test_hook_bench_refuses_a_tp_outside_1_to_8() -> None:

@@ -138,10 +138,14 @@ def _kv(entries: Sequence[tuple[int, int, int]]) -> Any:
     return encode_kv_signal(0, entries)
 
 
-def _steps(entries: int, steps: int) -> Iterator[tuple[Any, list[dict[str, Any]], Any, list[tuple[int, str]]]]:
+def _steps(
+    entries: int, steps: int, first: int = 0
+) -> Iterator[tuple[Any, list[dict[str, Any]], Any, list[tuple[int, str]]]]:
     """Per forward step: the first chunks' message, the tasks, the second chunks' message, the
-    finishes; slots cycle over 512."""
-    for step in range(steps):
+    finishes; slots cycle over 512. Steps are numbered from ``first`` and name their requests
+    by it: a case's rounds go on numbering, so no request id comes back (a tensor-parallel
+    group names an entry by its request, as FastDeploy's ids are unique)."""
+    for step in range(first, first + steps):
         slots = [(step * entries + i) % 512 for i in range(entries)]
         ids = [f"req-{step}-{i}" for i in range(entries)]
         first = _kv([(slot, 0, 128) for slot in slots])
@@ -152,15 +156,20 @@ def _steps(entries: int, steps: int) -> Iterator[tuple[Any, list[dict[str, Any]]
 
 
 def _drive(
-    side: Any, entries: int, steps: int, wrap: Callable[[list[tuple[int, int]]], Any], step_s: float = 0.0
+    side: Any,
+    entries: int,
+    steps: int,
+    wrap: Callable[[list[tuple[int, int]]], Any],
+    step_s: float = 0.0,
+    first: int = 0,
 ) -> dict[str, list[int]]:
     """Run the steps on one side; nanoseconds per hook call. Both sides get the message's
     entries already decoded (``wrap`` gives each its form), as FastDeploy's consumer decodes
     the message itself before its dict: what is timed is the hook."""
     times: dict[str, list[int]] = {hook: [] for hook in HOOKS}
     clock = time.perf_counter_ns
-    for first, infos, second, finishes in _steps(entries, steps):
-        payload = wrap(_pairs(first))
+    for opening, infos, second, finishes in _steps(entries, steps, first):
+        payload = wrap(_pairs(opening))
         t = clock()
         side.on_kv_signal(payload)
         times["on_kv_signal"].append(clock() - t)
@@ -238,14 +247,20 @@ def _interleaved(bridge: Layer0Bridge, entries: int, steps: int, step_s: float) 
     fd = FastDeployDict()
     times: dict[str, dict[str, list[int]]] = {side: {hook: [] for hook in HOOKS} for side in ("dict", "bridge")}
     rounds = 10
+    per_round = steps // rounds
     with GcPauses() as pauses:
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for side, wrap in ((fd, list), (bridge, _as_signal)):
-                for hook, ns in _drive(side, entries, steps // rounds, wrap, step_s).items():
+                for hook, ns in _drive(side, entries, per_round, wrap, step_s, round_ * per_round).items():
                     times["dict" if side is fd else "bridge"][hook] += ns
             _drain(fd.ready)
             _drain(bridge.ready)
-    return {**times, "longest_gc_us": pauses.longest_s * 1e6, "full_collections": pauses.full}
+    return {
+        **times,
+        "longest_gc_us": pauses.longest_s * 1e6,
+        "full_collections": pauses.full,
+        "entries_fed": 2 * entries * per_round * rounds,
+    }
 
 
 def _pooled(entries: int, tp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -260,6 +275,9 @@ def _pooled(entries: int, tp: int, ranks: list[dict[str, Any]]) -> dict[str, Any
     out["dict_largest_us"] = max(ns for hook in HOOKS for ns in times["dict"][hook]) / 1000
     out["longest_gc_us"] = max(r["longest_gc_us"] for r in ranks)
     out["full_collections"] = sum(r["full_collections"] for r in ranks)
+    if tp > 1:  # how far the group's agreement kept up: entries queued by the case's end
+        out["group_released"] = sum(r.get("group_released", 0) for r in ranks)
+        out["group_fed"] = sum(r["entries_fed"] for r in ranks)
     return out
 
 
@@ -392,7 +410,11 @@ def _rank_job(rank: int, tp: int, job: tuple[Any, ...], pipe: Any) -> Any:
             _flushed(bridge, 10)  # the claim and adoption, out of the figures
         pipe.send(("ok", "ready"))
         pipe.recv()
-        return _feed(bridge, steps) if kind == "cost" else _interleaved(bridge, entries, steps, step_s)
+        if kind == "cost":
+            return _feed(bridge, steps)
+        timed = _interleaved(bridge, entries, steps, step_s)
+        timed["group_released"] = bridge.health().group_outcomes.get("released", 0)
+        return timed
     finally:
         bridge.close()
         buffer.close()
@@ -476,6 +498,20 @@ def markdown(result: dict[str, Any]) -> str:
                     f"{h['bridge']['p50_us']:.1f} | {h['p50_ratio']:.2f} | {h['dict']['p99_us']:.1f} | "
                     f"{h['bridge']['p99_us']:.1f} | {h['dict']['max_us']:.0f} | {h['bridge']['max_us']:.0f} |"
                 )
+    if tp > 1:
+        lines += [
+            "",
+            "The group's queue at each case's end (entries the agreement released on the ranks, of those fed; "
+            "the last step's are still on their way): "
+            + "; ".join(
+                f"{condition} "
+                + ", ".join(
+                    f"{c['entries']}: {c.get('group_released', 0):,} of {c.get('group_fed', 0):,}" for c in cases
+                )
+                for condition, cases in result["conditions"].items()
+            )
+            + ".",
+        ]
     cost = result["redis_cost"]
     gc_state = result["gc"]
     frozen = (
