@@ -37,12 +37,17 @@ rank's sender takes each batch from its ``ready`` queue and finishes the task
 Per request, the added delay is the time its layer-0 batch is on the ``ready`` queue of the last
 rank, minus the time both its signal and its task were given to every rank; "never" when it is
 not queued on every rank by the end of the run (the later of the last request and the end of
-the outage) plus ``--grace`` seconds. A run ends early once every request is queued on every rank
-and the outage has been over for a second. Per row: the requests (the aborted one not counted),
-how many were queued with more than 0.2 s added, the largest added delay of those queued, how
-many were never queued (of which arrived after the restart), whether every rank's queued batch
-sequence was identical, and the WARNING and ERROR lines the bridges logged; below the table,
-what each run's ``health()`` said and those lines.
+the outage) plus ``--grace`` seconds. Where the group drops the requests in flight at a rank's
+restart on every rank, by design, and each rank logs an ERROR line that a rank of its group
+restarted, the ``restart`` row counts apart the requests not queued whose task some rank had
+registered before it logged that line ("in flight, dropped by design"): only the others, each
+registered on every rank after the rank knew of the restart, count as never queued. A run ends
+early once every request is queued on every rank and the outage has been over for a second.
+Per row: the requests (the aborted one not counted), how many were queued with more than 0.2 s
+added, the largest added delay of those queued, how many were never queued (of which arrived
+after the restart), whether every rank's queued batch sequence was identical, and the WARNING
+and ERROR lines the bridges logged; below the table, what each run's ``health()`` said and
+those lines.
 
 Usage::
 
@@ -107,6 +112,11 @@ WIDTH = 100
 """The report's prose wraps here."""
 SETTLE_S = 1.0
 """After an outage, a run goes on at least this long: the ranks' health then says how they came back."""
+RESTART_HEARD = re.compile(r"rank \d+ of the tensor-parallel group restarted")
+"""The ERROR line a rank logs when its group tells it a rank restarted (an agreement that drops
+the requests in flight on every rank says so; one that does not, never logs it)."""
+LOST_TO_RESTART = re.compile(r"request ([^)\s]+)\): a rank of the group restarted")
+"""The line a rank logs for an entry it dropped because a rank restarted while it was in flight."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,7 @@ class CountingLog:
 
     def _line(self, level: str, message: object, *args: object) -> None:
         text = str(message) % args if args else str(message)
-        self.sink.add(level, self.rank, text)
+        self.sink.add(level, self.rank, text, time.monotonic())
 
     def debug(self, message: object, *args: object) -> None:
         pass
@@ -216,13 +226,23 @@ class RunLog:
     counts: dict[str, int] = field(default_factory=lambda: {"info": 0, "warning": 0, "error": 0})
     lines: list[dict[str, Any]] = field(default_factory=list)
     library: list[str] = field(default_factory=list)
+    heard_restart: dict[int, float] = field(default_factory=dict)
+    """Per rank, when it first said a rank of its group restarted (monotonic): from then on, a
+    request registered on it is no longer one the restart drops."""
+    named_lost: set[str] = field(default_factory=set)
+    """Requests a rank said it dropped because a rank of the group restarted while in flight."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, level: str, rank: int, text: str) -> None:
+    def add(self, level: str, rank: int, text: str, at: float) -> None:
         with self.lock:
             self.counts[level] += 1
             if level != "info" and len(self.lines) < KEPT_LINES:
                 self.lines.append({"level": level.upper(), "rank": rank, "text": text.splitlines()[0][:400]})
+            if RESTART_HEARD.search(text):
+                self.heard_restart.setdefault(rank, at)
+            named = LOST_TO_RESTART.search(text)
+            if named:
+                self.named_lost.add(named.group(1))
 
 
 class Rank:
@@ -590,6 +610,12 @@ class Run:
                 delay = max(0.0, last_queued - both_given)
                 delays.append(round(delay, 4))
             arrives = min(q.signal_at, q.task_at)
+            # In flight at the restart: its task was registered on some rank before that rank
+            # heard of the restart (an agreement that drops in-flight requests drops it there).
+            in_flight = any(
+                (when := self.given.get((rank, q.index, "task"))) is not None and when < heard
+                for rank, heard in self.log.heard_restart.items()
+            )
             per_request.append(
                 {
                     "request": q.request_id,
@@ -599,6 +625,7 @@ class Run:
                     "given_to_every_rank_s": None if both_given is None else round(both_given - self.started, 4),
                     "added_delay_s": None if delay is None else round(delay, 4),
                     "queued_on_ranks": sum(p is not None for p in puts),
+                    "in_flight_at_restart": in_flight,
                 }
             )
         sequences = [
@@ -607,6 +634,8 @@ class Run:
         ]
         """Per rank, the batches it queued in order, each ``slot:tokens`` (entries joined by commas)."""
         never = [p for p in per_request if p["added_delay_s"] is None]
+        dropped = [p for p in never if p["in_flight_at_restart"]]
+        heard = self.log.heard_restart
         return {
             "row": self.row,
             "tp": self.tp,
@@ -618,6 +647,13 @@ class Run:
             "never": len(never),
             "never_after_restart": sum(p["after_restart"] for p in never) if self.row == "restart" else None,
             "restarted_at_s": None if self.restarted_at is None else round(self.restarted_at, 3),
+            "rejoined_at_s": round(max(heard.values()) - self.started, 3) if heard else None,
+            "dropped_in_flight": len(dropped) if heard else None,
+            "never_owed": len(never) - len(dropped) if heard else None,
+            "never_owed_after_restart": sum(p["after_restart"] for p in never if not p["in_flight_at_restart"])
+            if heard
+            else None,
+            "named_lost": sorted(self.log.named_lost),
             "identical": all(s == sequences[0] for s in sequences),
             "batches_per_rank": [len(rank.ready.puts) for rank in self.ranks],
             "log_lines": dict(self.log.counts),
@@ -669,7 +705,13 @@ def table(results: Sequence[dict[str, Any]]) -> str:
             continue
         delay = "-" if res["max_added_delay_s"] is None else f"{res['max_added_delay_s']:.3f} s"
         never = str(res["never"])
-        if res["never_after_restart"] is not None and res["never"]:
+        if res.get("dropped_in_flight") is not None:  # the restart dropped what was in flight, and said so
+            never = str(res["never_owed"])
+            if res["never_owed"]:
+                never += f" ({res['never_owed_after_restart']} after the restart)"
+            if res["dropped_in_flight"]:
+                never += f"; {res['dropped_in_flight']} in flight dropped by design"
+        elif res["never_after_restart"] is not None and res["never"]:
             never += f" ({res['never_after_restart']} after the restart)"
         told = "" if len(set(res["nranks"])) == 1 else f" (told {', '.join(map(str, res['nranks']))})"
         lines.append(
@@ -692,6 +734,15 @@ def details(results: Sequence[dict[str, Any]]) -> str:
         out.append(
             f"- **{res['row']}, TP {res['tp']}**: batches per rank {res['batches_per_rank']}; health: {said or 'quiet'}"
         )
+        if res.get("rejoined_at_s") is not None:
+            dropped = [
+                p["request"] for p in res["per_request"] if p["added_delay_s"] is None and p["in_flight_at_restart"]
+            ]
+            out.append(
+                f"  - restarted {res['restarted_at_s']:.2f} s into the run, every rank told by "
+                f"{res['rejoined_at_s']:.2f} s; in flight and dropped: {', '.join(dropped) or 'none'} "
+                f"(named in the ranks' drop lines: {', '.join(res['named_lost']) or 'none'})"
+            )
         for text, ranks in distinct_lines(res["log"]):
             quoted = text.replace("`", "'")
             out.append(f"  - rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: `{quoted}`")
@@ -742,6 +793,13 @@ def markdown(results: Sequence[dict[str, Any]], settings: Settings, meta: Mappin
         '(a restarted rank: both bridges\' batches, in order). "Run s": how long the run took (it ends once '
         f"every request is queued on every rank and the outage has been over for {SETTLE_S:g} s)."
     )
+    if any(r.get("dropped_in_flight") is not None for r in results):
+        measure += (
+            " Where the group drops the requests in flight at a rank's restart on every rank and says so (an "
+            'ERROR line on each rank), "in flight" counts the requests not queued whose task some rank had '
+            'registered before it logged that line ("dropped by design"), and "never queued" only the '
+            "others, those the group still owes."
+        )
     return f"""# A tensor-parallel group's bad day: what it costs against TP 1
 
 {textwrap.fill(setup, WIDTH, break_on_hyphens=False)}
