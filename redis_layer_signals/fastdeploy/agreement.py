@@ -316,6 +316,8 @@ class Sequencer:
         self.tail: collections.deque[Key] = collections.deque(maxlen=HISTORY_KEPT)
         """The last keys of the order: what a join may lack, and what its reports may name."""
         self.abandoned: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self._complete: list[Key] = []
+        """Keys whose last report came since the last release, in that order."""
         self.veterans = False
         """A member joined with its history of an earlier generation: the group ran before
         this one, so a process that joins fresh now came after it (a restart), even where no
@@ -418,6 +420,8 @@ class Sequencer:
             reporters, first_ms = self.ready.get(key, (set(), now_ms))
             reporters.add(member)
             self.ready[key] = (reporters, first_ms)
+            if len(reporters) == self.nranks:
+                self._complete.append(key)
         return [(member, _abandoning(self.generation, given_up))] if given_up else []
 
     def _catch_up(self, member: int, queued: int, tail: list[Key], out: Out) -> bool:
@@ -435,12 +439,18 @@ class Sequencer:
         return True
 
     def _release(self) -> Out:
-        """Every key all members reported, in the order of their first report."""
-        done = [key for key, (reporters, _first) in self.ready.items() if len(reporters) >= self.nranks]
+        """Every key all members reported, in the order they became complete (the keys a call
+        completed, not a scan of every key waiting: a backlog costs a message nothing)."""
+        done = []
+        for key in self._complete:
+            waiting = self.ready.get(key)
+            if waiting is not None and len(waiting[0]) >= self.nranks:  # still: none left since
+                del self.ready[key]
+                done.append(key)
+        self._complete.clear()
         if not done:
             return []
         for key in done:
-            del self.ready[key]
             self.tail.append(key)
         self.order += len(done)
         return self._broadcast({"t": "release", "g": self.generation, "keys": [list(k) for k in done]})

@@ -210,6 +210,8 @@ class GroupLink:
         """Queues, logs and counts what a message of the sequencer settled (under the lock)."""
         self.state = GroupState()
         self._outbox: collections.deque[Message] = collections.deque()
+        self._woken = False
+        """A wake-up is on its way to the loop (under the bridge's lock): no second write."""
         """Reports the hooks posted, for the loop to send (under the bridge's lock)."""
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector = selectors.DefaultSelector()
@@ -242,8 +244,10 @@ class GroupLink:
             self._outbox.append({"t": "ready", "keys": progress.report})
         if progress.lost:
             self._outbox.append({"t": "lost", "keys": progress.lost})
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"!")
+        if not self._woken:  # one wake-up until the loop has read it
+            self._woken = True
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"!")
 
     def join(self, timeout_s: float) -> None:
         with contextlib.suppress(OSError):
@@ -300,6 +304,8 @@ class GroupLink:
 
     def _ready(self, key: selectors.SelectorKey) -> None:
         if key.fileobj == self._wake_r:
+            with self.ctx.lock:
+                self._woken = False
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
         elif key.data == "listen":
@@ -430,11 +436,15 @@ class GroupLink:
         with self.ctx.lock:
             if not self._outbox or self._line is None or not self._joined:
                 return
-            messages = list(self._outbox)
+            ready = [key for m in self._outbox if m["t"] == "ready" for key in m["keys"]]
+            lost = [key for m in self._outbox if m["t"] == "lost" for key in m["keys"]]
             self._outbox.clear()
             generation = self.member.generation
-        for message in messages:
-            self._line.send({**message, "g": generation})
+        # One line of each per wake-up, whatever the hooks posted meanwhile.
+        if ready:
+            self._line.send({"t": "ready", "g": generation, "keys": ready})
+        if lost:
+            self._line.send({"t": "lost", "g": generation, "keys": lost})
 
     def _drop_line(self) -> None:
         if self._line is not None:
