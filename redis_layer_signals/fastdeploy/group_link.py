@@ -54,6 +54,9 @@ CLAIM_TRIES, CLAIM_RETRY_S = 10, 0.02
 """A rank's lock is held by another process only if it stays held this many tries, this far
 apart: a sequencer that checks which ranks are alive (``_held``) holds each lock for an instant,
 and a process starting then is no duplicate."""
+RELAYED = ("absent", "refused")
+"""Problems only the sequencer sees, told to every member so that every rank's health shows
+them (each rank finds an ``nranks`` mismatch or a duplicate on its own)."""
 MAX_LINE = 1 << 24
 """A peer that sends a longer line is cut off: nothing of ours is that long."""
 
@@ -686,7 +689,7 @@ class GroupLink:
             self.state.problems[kind] = text
             if kind not in self._said and not kind.startswith("group-"):  # relayed: counted there
                 self.state.events[kind] += 1
-        if self._sequencer is not None and kind not in self._said:
+        if self._sequencer is not None and kind in RELAYED and kind not in self._said:
             self._lead_out(self._sequencer.broadcast({"t": "problem", "kind": kind, "text": text}))
         self._say(kind, text, error)
 
@@ -697,7 +700,7 @@ class GroupLink:
                 self.state.problems.pop(kind, None)
         if kind in self._said:
             self._said.discard(kind)
-            if self._sequencer is not None:
+            if self._sequencer is not None and kind in RELAYED:
                 self._lead_out(self._sequencer.broadcast({"t": "resolved", "kind": kind}))
             self.ctx.logger.warning(
                 "%s/%d: the tensor-parallel group: resolved (%s)", self.ctx.instance, self.rank, kind
