@@ -390,8 +390,6 @@ class GroupLink:
                     welcomed = True
                     self.state.generation = self.member.generation
                     self._joined = True  # what was reported since the join goes out now
-                    if message.get("skip"):
-                        self.state.events["restart"] += 1
                 self.settle(progress)
                 if progress.lost:
                     self._outbox.append({"t": "lost", "keys": progress.lost})
