@@ -253,8 +253,12 @@ class GroupLink:
                 os.write(self._wake_w, b"!")
 
     def join(self, timeout_s: float) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"!")
+        with self.ctx.lock:
+            wake = not self._woken  # once the loop has ended, its descriptors are closed
+            self._woken = True
+        if wake:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"!")
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -279,6 +283,8 @@ class GroupLink:
             if self._rank_fd is not None:
                 os.close(self._rank_fd)
             self._selector.close()
+            with self.ctx.lock:  # a hook called after close never writes to a reused descriptor
+                self._woken = True
             os.close(self._wake_r)
             os.close(self._wake_w)
 
